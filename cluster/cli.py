@@ -1,0 +1,43 @@
+"""`hybridserve` console script: one subcommand per module, imported lazily.
+
+Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`, so that
+`hybridserve explain` never pays for importing torch or Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "explain": ("cache_service.explain", "simulate a cold request and a resend; print per-group hits as JSON"),
+    "init-model": ("workers.model.init_model", "write a random-weight NemotronH-format checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: hybridserve <command> [options]", "", "commands:"]
+    width = max(len(name) for name in COMMANDS)
+    for name, (_, text) in COMMANDS.items():
+        lines.append(f"  {name.ljust(width)}  {text}")
+    lines.append("")
+    lines.append("run `hybridserve <command> --help` for a command's options")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"hybridserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
