@@ -1,0 +1,156 @@
+"""A pool of fixed-size cache blocks (attention KV blocks or Mamba state pages) for one group.
+
+    block ids:   0 (null) | 1 .. num_blocks-1
+    each block:  ref_cnt > 0  -> in use by running requests (never evicted)
+                 ref_cnt == 0 -> in the free queue, LRU first; may still be cached (hash set)
+    cached:      block_hash -> block   (a prefix key, see block_hash.py)
+
+Allocation takes from the head of the free queue and evicts that block's cached hash (a
+`removed` event). Freed blocks go to the tail, so the least recently used cached block is the
+next one evicted. The null block is a real object (never -1): it pads block tables for
+sliding-window positions that hold nothing, is never freed, cached or evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from cache_service.block_hash import BlockHash
+from cache_service.events import EventSink
+
+
+class PoolExhaustedError(RuntimeError):
+    """Asked for more blocks than are free; callers check `can_allocate` first."""
+
+
+class CacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        tag = self.block_hash.hex()[:8] if self.block_hash else "-"
+        return f"CacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={tag})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, group_id: int = 0, events: EventSink | None = None) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.group_id = group_id
+        self.events = events if events is not None else EventSink(enabled=False)
+        self.blocks = [CacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever
+        self._free: OrderedDict[int, CacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[BlockHash, CacheBlock] = {}
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[CacheBlock]:
+        """Take `num_blocks` blocks (ref_cnt 1 each), evicting LRU cached blocks as needed."""
+        if not self.can_allocate(num_blocks):
+            raise PoolExhaustedError(f"group {self.group_id}: {num_blocks} blocks asked, {len(self._free)} free")
+        out, evicted = [], []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                self._uncache(block)
+            block.ref_cnt = 1
+            out.append(block)
+        self.events.removed(self.group_id, tuple(evicted))
+        return out
+
+    def touch(self, blocks: Iterable[CacheBlock]) -> None:
+        """Take a reference on cached blocks a request is reusing (removes them from the free queue)."""
+        for block in blocks:
+            if block is self.null_block:
+                continue
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[CacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free queue's tail (kept cached).
+        Pass a request's blocks tail-first so its last blocks are evicted first."""
+        for block in blocks:
+            if block is self.null_block:
+                continue
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block!r} in group {self.group_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    # ---- caching --------------------------------------------------------------------------
+    def get_cached(self, block_hash: BlockHash) -> CacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: CacheBlock, block_hash: BlockHash) -> bool:
+        """Publish a full block under its prefix hash. False if that hash is already cached by
+        another block (the first copy wins; this one stays private) or this block has a hash."""
+        if block is self.null_block:
+            raise ValueError("the null block is never cached")
+        if block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        self.events.stored(self.group_id, (block_hash,))
+        return True
+
+    def evict(self, block_hash: BlockHash) -> bool:
+        """Drop a cached hash whose block is free (tests, targeted invalidation)."""
+        block = self.cached.get(block_hash)
+        if block is None or block.ref_cnt:
+            return False
+        self._uncache(block)
+        self.events.removed(self.group_id, (block_hash,))
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only when no block is in use. Emits one `cleared` event."""
+        if len(self._free) != self.num_blocks - 1:
+            return False
+        for block in list(self.cached.values()):
+            self._uncache(block)
+        self.events.cleared(self.group_id)
+        return True
+
+    def _uncache(self, block: CacheBlock) -> None:
+        del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+
+    # ---- invariants -----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any pool invariant is broken (used by tests after each step)."""
+        null = self.null_block
+        assert null.ref_cnt >= 1 and null.block_hash is None and null.block_id not in self._free, "null block"
+        for block in self.blocks[1:]:
+            in_free = block.block_id in self._free
+            assert block.ref_cnt >= 0, f"negative ref count: {block!r}"
+            assert in_free == (block.ref_cnt == 0), f"free-queue membership wrong: {block!r}"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"cached map misses {block!r}"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"stale cached entry for {block!r}"
+        assert all(self._free[i] is self.blocks[i] for i in self._free), "free queue holds foreign blocks"

@@ -1,0 +1,92 @@
+"""Simulate a cold request and a resend on a fresh cache: the engine's cache decisions without
+the model. Used by `explain`, the property tests and the lookup benchmark."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
+from cache_service.local_cache import LocalPrefixCache
+from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.specs import CacheLayout, GroupSpec
+
+
+@dataclass(frozen=True)
+class Scenario:
+    groups: tuple[GroupSpec, ...]
+    prompt_len: int
+    resend_len: int | None = None  # default: an identical resend
+    eagle: EagleMode = EagleMode.OFF
+    draft_groups: frozenset[int] = frozenset()
+    retention: str = "latest"
+    num_spec_tokens: int = 0
+    eagle_aware_retention: bool = True
+    seed: int = 0
+    vocab_size: int = 32000
+    cache_salt: str | None = None
+    num_blocks_per_group: tuple[int, ...] | None = None  # default: room for everything
+
+    @property
+    def layout(self) -> CacheLayout:
+        return CacheLayout(self.groups)
+
+
+@dataclass
+class RequestTrace:
+    num_prompt_tokens: int
+    hit: HitResult
+    checkpoints: tuple[int, ...]
+    junctions: tuple[int, ...]
+    explanation: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SimulationResult:
+    scenario: Scenario
+    coordinator: HybridCoordinator
+    cold: RequestTrace
+    resend: RequestTrace
+    cache: LocalPrefixCache
+
+
+def make_tokens(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(num_tokens)]
+
+
+def run_request(
+    cache: LocalPrefixCache, planner: CheckpointPlanner, tokens: list[int], salt: str | None, explain: bool
+) -> RequestTrace:
+    """Look up, plan snapshots (with a junction when the attention match outruns the hit),
+    then publish what the request leaves behind. Prefill-only: T = num_prompt_tokens."""
+    coordinator = cache.coordinator
+    hashes = RequestBlockHashes(coordinator.layout.hash_block_size, tokens, cache_salt=salt)
+    probes = coordinator.probes(hashes.hashes, len(tokens), cache.lookup_view)
+    hit = coordinator.reconcile(probes)
+    lines = []
+    if explain:
+        for g, (probe, own) in enumerate(zip(probes, hit.per_group_hits)):
+            lines.append(f"group {g} ({probe.spec.describe()}): {own} -- {probe.why(own)}")
+        lines.append(f"reconciliation: candidates {' -> '.join(map(str, hit.candidates))}; hit {hit.hit_tokens}")
+    reachable = coordinator.reachable_hit_positions([hit.attention_match_tokens])
+    junctions = tuple(j for j in reachable if j > hit.hit_tokens)
+    checkpoints = planner.checkpoints(len(tokens), len(tokens), junctions)
+    cache.store_prefix(hashes, len(tokens), checkpoints)
+    return RequestTrace(len(tokens), hit, checkpoints, junctions, lines)
+
+
+def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
+    layout = scenario.layout
+    coordinator = HybridCoordinator(layout, scenario.eagle, scenario.draft_groups)
+    policy = make_retention(scenario.retention, layout.alignment)
+    planner = CheckpointPlanner(coordinator, policy, scenario.eagle_aware_retention)
+    resend_len = scenario.prompt_len if scenario.resend_len is None else scenario.resend_len
+    longest = max(scenario.prompt_len, resend_len)
+    sizes = scenario.num_blocks_per_group or tuple(longest // g.block_size + 2 for g in layout.groups)
+    cache = LocalPrefixCache(coordinator, sizes)
+    tokens = make_tokens(longest, scenario.seed, scenario.vocab_size)
+    cold = run_request(cache, planner, tokens[: scenario.prompt_len], scenario.cache_salt, explain)
+    resend = run_request(cache, planner, tokens[:resend_len], scenario.cache_salt, explain)
+    return SimulationResult(scenario, coordinator, cold, resend, cache)
