@@ -59,8 +59,9 @@ def make_tokens(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
 def run_request(
     cache: LocalPrefixCache, planner: CheckpointPlanner, tokens: list[int], salt: str | None, explain: bool
 ) -> RequestTrace:
-    """Look up, plan snapshots (with a junction when the attention match outruns the hit),
-    then publish what the request leaves behind. Prefill-only: T = num_prompt_tokens."""
+    """Look up, plan snapshots, then publish what the request leaves behind (prefill only:
+    T = num_prompt_tokens). When the attention match outruns the reconciled hit, the match end
+    is a shared-prefix junction: snapshotting there lets the next sibling request hit."""
     coordinator = cache.coordinator
     hashes = RequestBlockHashes(coordinator.layout.hash_block_size, tokens, cache_salt=salt)
     probes = coordinator.probes(hashes.hashes, len(tokens), cache.lookup_view)
@@ -70,8 +71,9 @@ def run_request(
         for g, (probe, own) in enumerate(zip(probes, hit.per_group_hits)):
             lines.append(f"group {g} ({probe.spec.describe()}): {own} -- {probe.why(own)}")
         lines.append(f"reconciliation: candidates {' -> '.join(map(str, hit.candidates))}; hit {hit.hit_tokens}")
-    reachable = coordinator.reachable_hit_positions([hit.attention_match_tokens])
-    junctions = tuple(j for j in reachable if j > hit.hit_tokens)
+    match = hit.attention_match_tokens
+    outruns = any(p > hit.hit_tokens for p in coordinator.reachable_hit_positions([match]))
+    junctions = (match,) if outruns else ()
     checkpoints = planner.checkpoints(len(tokens), len(tokens), junctions)
     cache.store_prefix(hashes, len(tokens), checkpoints)
     return RequestTrace(len(tokens), hit, checkpoints, junctions, lines)

@@ -1,0 +1,83 @@
+"""`hybridserve explain` end to end through the console script and `python -m cache_service`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache_service.explain import main
+
+GLM = ["--group", "full:64"] + ["--group", "mamba:2304"] * 3
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_glm_drop_and_lossless(capsys):
+    code, out, _ = run_cli(GLM + ["--eagle", "drop", "--prompt-len", "8901", "--num-spec-tokens", "3"], capsys)
+    report = json.loads(out)
+    assert code == 0
+    assert report["per_group_hits"] == [4608, 6912, 6912, 6912]
+    assert report["hit_tokens"] == 4608
+    code, out, _ = run_cli(GLM + ["--eagle", "lossless", "--prompt-len", "8901"], capsys)
+    assert json.loads(out)["hit_tokens"] == 6912
+
+
+def test_verbose_says_why_each_group_stopped(capsys):
+    args = GLM + ["--eagle", "drop", "--prompt-len", "8901", "--no-eagle-aware-retention", "--verbose"]
+    code, out, err = run_cli(args, capsys)
+    report = json.loads(out)
+    assert report["hit_tokens"] == 0
+    assert len(report["explanation"]) == 5
+    assert "EAGLE drop removes one alignment unit" in report["explanation"][0]
+    assert "snapshots held at <= cap: [6912]" in report["explanation"][1]
+    assert "candidates 6912 -> 4608 -> 0" in err
+
+
+def test_extended_resend_and_draft_groups(capsys):
+    args = ["--group", "full:32", "--group", "draft:32", "--group", "mamba:32", "--eagle", "drop",
+            "--draft-groups", "0", "--prompt-len", "127", "--resend-len", "300"]
+    code, out, _ = run_cli(args, capsys)
+    report = json.loads(out)
+    assert report["dropping_groups"] == [0, 1] and report["annotated_groups"] == [0, 1]
+    assert report["hit_tokens"] == 64  # F = 96 is one unit above what the dropping lookup reaches
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-len", "10"], "at least one --group"),
+        (["--group", "fll:64", "--prompt-len", "10"], "unknown group kind"),
+        (["--group", "full:abc", "--prompt-len", "10"], "must be integers"),
+        (["--group", "full:0", "--prompt-len", "10"], "positive integer"),
+        (["--group", "sliding_window:16", "--prompt-len", "10"], "sliding_window:BLOCK:WINDOW"),
+        (["--group", "full:64", "--eagle", "maybe", "--prompt-len", "10"], "--eagle must be"),
+        (["--group", "full:64", "--draft-groups", "3", "--prompt-len", "10"], "out of range"),
+        (["--group", "full:64", "--retention", "100", "--prompt-len", "10"], "multiple of the alignment"),
+        (["--group", "full:64", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--group", "full:64", "--prompt-len", "x"], "must be an integer"),
+        (["--group", "full:64", "--eagle", "drop", "--num-spec-tokens", "0", "--prompt-len", "9"], "needs"),
+        (["--group", "full:64"], "required"),
+        (["--group", "full:64", "--prompt-len", "9", "--bogus"], "unrecognized"),
+    ],
+)
+def test_bad_values_give_one_line_and_exit_2(args, message, capsys):
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
+
+
+def test_console_script_and_module_entry_points():
+    args = ["explain", "--group", "full:32", "--group", "mamba:32", "--eagle", "drop", "--prompt-len", "127"]
+    console_script = str(Path(sys.executable).parent / "hybridserve")
+    for cmd in ([console_script], [sys.executable, "-m", "cache_service"]):
+        done = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["hit_tokens"] == 64
+    bad = subprocess.run([console_script, "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
