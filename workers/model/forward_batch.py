@@ -1,0 +1,102 @@
+"""What one model step computes: the batch's chunks (the engine's side of the forward contract).
+
+A batch concatenates the new tokens of several sequences (continuous batching: prefill chunks of some
+mixed with 1-token decodes or k+1-token verifies of others). Rows of `input_ids` / hidden are in chunk
+order:
+
+    input_ids  [ a0 a1 a2 a3 | b0 | c0 c1 ]     chunk a: prefill, context 0
+    positions  [ 0  1  2  3  | 57 | 9  10 ]     chunk b: decode, context 57;  chunk c: verify, context 9
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.model.errors import ForwardBatchError
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's slice of a batch.
+
+    num_context_tokens: tokens of this sequence already in the caches; new tokens get positions
+        context .. context+new-1.
+    num_new_tokens: tokens of this sequence in the batch (>= 1).
+    block_table: int64 [n] block ids in the attention KV pool covering positions [0, context+new).
+    state_slot: Mamba state slot. Read as the initial (conv, ssm) state when num_context_tokens > 0,
+        zeros when 0; overwritten in place with the state after the chunk.
+    per_token_state_slots: if given (len == num_new_tokens), after new token j the state of every Mamba
+        layer is also written to slot per_token_state_slots[j] (speculative-decode rollback).
+    """
+
+    num_context_tokens: int
+    num_new_tokens: int
+    block_table: torch.Tensor
+    state_slot: int
+    per_token_state_slots: tuple[int, ...] | None = None
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.num_context_tokens + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """input_ids: int64 [T], the chunks' new tokens concatenated in chunk order."""
+
+    input_ids: torch.Tensor
+    chunks: tuple[SeqChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def row_slices(self) -> list[slice]:
+        """Rows of input_ids (and of every [T, ...] activation) belonging to each chunk."""
+        out, start = [], 0
+        for chunk in self.chunks:
+            out.append(slice(start, start + chunk.num_new_tokens))
+            start += chunk.num_new_tokens
+        return out
+
+    def positions(self) -> torch.Tensor:
+        """int64 [T]: the position of every new token in its sequence."""
+        parts = [torch.arange(c.num_context_tokens, c.num_total_tokens) for c in self.chunks]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def validate(self, block_size: int | None, num_blocks: int | None, num_state_slots: int | None) -> None:
+        """Raise ForwardBatchError if the batch is inconsistent. `None` skips the pool checks of that kind
+        (no attention layers / no Mamba layers / the MTP head, which ignores state slots)."""
+        if self.input_ids.dim() != 1:
+            raise ForwardBatchError(f"input_ids must be 1-D [T], got shape {tuple(self.input_ids.shape)}")
+        if not self.chunks:
+            raise ForwardBatchError("a ForwardBatch needs at least one chunk")
+        total = sum(c.num_new_tokens for c in self.chunks)
+        if total != self.num_tokens:
+            raise ForwardBatchError(f"chunks hold {total} new tokens but input_ids has {self.num_tokens}")
+        seen_slots: set[int] = set()
+        for i, c in enumerate(self.chunks):
+            if c.num_new_tokens < 1 or c.num_context_tokens < 0:
+                raise ForwardBatchError(f"chunk {i}: need num_new_tokens >= 1 and num_context_tokens >= 0, "
+                                        f"got {c.num_new_tokens}, {c.num_context_tokens}")
+            if block_size is not None:
+                need = -(-c.num_total_tokens // block_size)
+                if c.block_table.dim() != 1 or c.block_table.shape[0] < need:
+                    raise ForwardBatchError(f"chunk {i}: block_table covers {c.block_table.numel()} blocks, "
+                                            f"positions [0, {c.num_total_tokens}) need {need} of {block_size}")
+                used = c.block_table[:need]
+                if num_blocks is not None and need and (used.min() < 0 or used.max() >= num_blocks):
+                    raise ForwardBatchError(f"chunk {i}: block ids {used.tolist()} outside pool of {num_blocks}")
+            if num_state_slots is not None:
+                slots = [c.state_slot, *(c.per_token_state_slots or ())]
+                if c.per_token_state_slots is not None and len(c.per_token_state_slots) != c.num_new_tokens:
+                    raise ForwardBatchError(f"chunk {i}: {len(c.per_token_state_slots)} per_token_state_slots "
+                                            f"for {c.num_new_tokens} new tokens")
+                for s in slots:
+                    if not 0 <= s < num_state_slots:
+                        raise ForwardBatchError(f"chunk {i}: state slot {s} outside pool of {num_state_slots}")
+                if c.state_slot in seen_slots:
+                    raise ForwardBatchError(f"chunk {i}: state slot {c.state_slot} used twice in one batch")
+                seen_slots.add(c.state_slot)

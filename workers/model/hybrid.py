@@ -1,0 +1,117 @@
+"""`HybridForCausalLM`: NemotronH decoder (Mamba2 / attention / MLP blocks) over ModelCaches.
+
+Module tree and parameter names match transformers' NemotronHForCausalLM, so `state_dict()` keys are
+checkpoint names: model.embeddings, model.layers.{i}.norm, model.layers.{i}.mixer.*, model.norm_f,
+lm_head; the optional MTP head lives under mtp.* (see mtp.py).
+
+Each block is pre-norm with a residual:  h = h + mixer(RMSNorm(h));  hidden = norm_f(h) at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model import caches as cache_mod
+from workers.model.attention import PagedAttention, PagedPlan
+from workers.model.caches import ModelCaches
+from workers.model.config import HybridModelConfig, LayerKind
+from workers.model.forward_batch import ForwardBatch
+from workers.model.kernels import TORCH_KERNELS, KernelSet
+from workers.model.mamba2 import Mamba2Mixer
+from workers.model.mlp import MLP
+from workers.model.norms import RMSNorm
+
+
+def make_mixer(config: HybridModelConfig, kind: LayerKind, kernels: KernelSet) -> nn.Module:
+    if kind is LayerKind.MAMBA:
+        return Mamba2Mixer(config, kernels)
+    if kind is LayerKind.ATTENTION:
+        return PagedAttention(config, kernels)
+    return MLP(config)
+
+
+class HybridBlock(nn.Module):
+    """One layer: `norm` then `mixer` (kind from the pattern), residual add outside."""
+
+    def __init__(self, config: HybridModelConfig, kind: LayerKind, kernels: KernelSet) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = make_mixer(config, kind, kernels)
+
+
+class HybridBackbone(nn.Module):
+    def __init__(self, config: HybridModelConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([HybridBlock(config, k, kernels) for k in config.layer_kinds])
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+
+class HybridForCausalLM(nn.Module):
+    """The target model. Inference only: forward runs under no_grad and mutates `caches`.
+
+    forward(batch, caches) -> hidden [T, hidden_size] after the final norm
+    compute_logits(hidden) -> [T, vocab] float32
+    mtp: MTPHead | None (draft head sharing embeddings and lm_head)
+    """
+
+    def __init__(self, config: HybridModelConfig, kernels: KernelSet = TORCH_KERNELS, *, with_mtp: bool = False):
+        super().__init__()
+        from workers.model.mtp import MTPHead  # mtp.py builds on this module's blocks
+
+        self.config = config
+        self.kernels = kernels
+        self.model = HybridBackbone(config, kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+        self.mtp: MTPHead | None = MTPHead(config, self.model.embeddings, kernels) if with_mtp else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Run the batch's new tokens through all layers; see forward_batch.SeqChunk for cache semantics."""
+        batch.validate(caches.kv_block_size, caches.num_kv_blocks,
+                       caches.num_state_slots if self.config.mamba_layer_ids else None)
+        plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
+        h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]
+        for i, block in enumerate(self.model.layers):
+            x = block.norm(h)  # [T, hidden]
+            if block.kind is LayerKind.MAMBA:
+                x = block.mixer(x, batch, caches.conv[i], caches.ssm[i])
+            elif block.kind is LayerKind.ATTENTION:
+                x = block.mixer(x, caches.kv[i], plan)
+            else:
+                x = block.mixer(x)
+            h = h + x  # [T, hidden]
+        return self.model.norm_f(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.dtype)).float()  # [T, vocab]
+
+    # ---- caches ----------------------------------------------------------------------------------
+    def allocate_caches(self, num_kv_blocks: int, kv_block_size: int, num_state_slots: int,
+                        num_draft_blocks: int = 0, draft_block_size: int | None = None) -> ModelCaches:
+        """Zeroed caches in the model's dtype and device (SSM state in config.mamba_ssm_cache_dtype)."""
+        return cache_mod.allocate_caches(self.config, num_kv_blocks, kv_block_size, num_state_slots,
+                                         num_draft_blocks if self.mtp is not None else 0, draft_block_size,
+                                         dtype=self.dtype, device=self.device)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return cache_mod.kv_bytes_per_block(self.config, block_size, self.dtype)
+
+    def draft_kv_bytes_per_block(self, block_size: int) -> int:
+        return cache_mod.draft_kv_bytes_per_block(self.config, block_size, self.dtype) if self.mtp else 0
+
+    def state_bytes_per_slot(self) -> int:
+        return cache_mod.state_bytes_per_slot(self.config, self.dtype)

@@ -1,0 +1,122 @@
+"""Mamba2 mixer over state slots: prefill chunks (chunked SSD scan) and decode steps (recurrence).
+
+    in_proj(x) -> z [d_inner] | xBC [conv_dim] | dt [nheads]
+    xBC -> causal depthwise conv (state: last d_conv-1 inputs) -> silu -> x [nheads, head_dim] | B | C
+    dt  -> softplus(dt + dt_bias), clamped below at time_step_min;  A = -exp(A_log)
+    y   = SSD(x, dt, A, B, C) + D * x        (state h [nheads, head_dim, d_state] per slot)
+    out = out_proj(GatedRMSNorm(y, z))       (norm over ngroups groups, gate silu(z) applied first)
+
+Every chunk starts from its state slot (zeros when num_context_tokens == 0) and leaves its final state
+there. One-token chunks of the batch go through a single batched recurrence step; chunks with
+per_token_state_slots run token by token so the state after every token can be copied out.
+
+Note: transformers clamps dt only in its chunked path, not in its cached one-token step; we clamp in
+both, so decode here equals a full no-cache forward of the same prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import HybridModelConfig
+from workers.model.forward_batch import ForwardBatch
+from workers.model.kernels import KernelSet
+from workers.model.norms import GatedRMSNorm
+from workers.model.ssd import causal_conv1d_ref
+
+
+class Mamba2Mixer(nn.Module):
+    """Parameter names match transformers' NemotronHMamba2Mixer. Shard-friendly: a TP rank would hold
+    nheads/tp heads, ngroups/tp groups, and the matching rows of in_proj / columns of out_proj."""
+
+    def __init__(self, config: HybridModelConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.nheads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.d_state = config.ssm_state_size
+        self.ngroups = config.n_groups
+        self.d_inner = config.d_inner
+        self.conv_dim = config.conv_dim
+        self.chunk_size = config.chunk_size
+        self.dt_min = config.dt_limit[0]
+        self.kernels = kernels
+        self.in_proj = nn.Linear(config.hidden_size, config.in_proj_dim, bias=config.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim,
+                                bias=config.use_conv_bias, padding=config.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.nheads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.nheads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.nheads))
+        self.norm = GatedRMSNorm(self.d_inner, self.ngroups, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.use_bias)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """xbc [n, conv_dim] -> x [n, H, P], B [n, G, N], C [n, G, N]."""
+        n = xbc.shape[0]
+        gn = self.ngroups * self.d_state
+        x, B, C = torch.split(xbc, [self.d_inner, gn, gn], dim=-1)
+        return (x.reshape(n, self.nheads, self.head_dim), B.reshape(n, self.ngroups, self.d_state),
+                C.reshape(n, self.ngroups, self.d_state))
+
+    def _step(self, xbc_raw: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor,
+              conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+        """One token for each of len(slots) sequences: xbc_raw [B, conv_dim], dt [B, H] -> y [B, H, P]."""
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
+        xbc = self.kernels.conv1d_update(xbc_raw, conv_pool, slots, weight, self.conv1d.bias, "silu")
+        x, B, C = self._split_xbc(xbc)
+        return self.kernels.state_update(ssm_pool, slots, x, dt, A, B, C, self.D)  # [B, H, P]
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
+                ssm_pool: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] (normed) -> [T, hidden_size]; updates the chunks' state slots in place."""
+        T = hidden.shape[0]
+        proj = self.in_proj(hidden)  # [T, in_proj_dim]
+        z, xbc_raw, dt_raw = torch.split(proj, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, H]
+        A = -torch.exp(self.A_log.float())  # [H]
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
+        y = torch.empty(T, self.nheads, self.head_dim, dtype=torch.float32, device=hidden.device)  # [T, H, P]
+        rows = batch.row_slices()
+        device = hidden.device
+
+        decodes = [i for i, c in enumerate(batch.chunks) if c.num_new_tokens == 1 and c.per_token_state_slots is None]
+        decode_set = set(decodes)
+        if decodes:
+            fresh = [batch.chunks[i].state_slot for i in decodes if batch.chunks[i].num_context_tokens == 0]
+            if fresh:
+                conv_pool[fresh] = 0
+                ssm_pool[fresh] = 0
+            idx = torch.tensor([rows[i].start for i in decodes], device=device)  # [B]
+            slots = torch.tensor([batch.chunks[i].state_slot for i in decodes], device=device)  # [B]
+            y[idx] = self._step(xbc_raw[idx], dt[idx], A, slots, conv_pool, ssm_pool)
+
+        for i, chunk in enumerate(batch.chunks):
+            if i in decode_set:
+                continue
+            r, slot = rows[i], chunk.state_slot
+            if chunk.per_token_state_slots is not None:
+                if chunk.num_context_tokens == 0:
+                    conv_pool[slot] = 0
+                    ssm_pool[slot] = 0
+                slot_t = torch.tensor([slot], device=device)
+                for j, dst in enumerate(chunk.per_token_state_slots):
+                    t = r.start + j
+                    y[t:t + 1] = self._step(xbc_raw[t:t + 1], dt[t:t + 1], A, slot_t, conv_pool, ssm_pool)
+                    if dst != slot:
+                        conv_pool[dst].copy_(conv_pool[slot])
+                        ssm_pool[dst].copy_(ssm_pool[slot])
+                continue
+            has_context = chunk.num_context_tokens > 0
+            xbc, conv_state = causal_conv1d_ref(
+                xbc_raw[r], weight, self.conv1d.bias, conv_pool[slot] if has_context else None, "silu"
+            )  # [L, conv_dim], [conv_dim, d_conv-1]
+            conv_pool[slot] = conv_state.to(conv_pool.dtype)
+            x, B, C = self._split_xbc(xbc)
+            y[r], final = self.kernels.ssd_scan(
+                x, dt[r], A, B, C, self.chunk_size, self.D, ssm_pool[slot] if has_context else None
+            )  # [L, H, P], [H, P, N]
+            ssm_pool[slot] = final.to(ssm_pool.dtype)
+
+        out = self.norm(y.view(T, self.d_inner), z)  # [T, d_inner]
+        return self.out_proj(out.to(hidden.dtype))  # [T, hidden_size]

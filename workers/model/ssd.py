@@ -1,0 +1,163 @@
+"""Pure-PyTorch Mamba2 references: chunked SSD scan, causal depthwise conv, single-step state update.
+
+Shapes per sequence (no batch dim; sequences of a batch have different lengths): L tokens, H = nheads,
+P = head_dim, G = ngroups, N = d_state, C_ = conv channels, K = d_conv. `dt` is already discretised
+(softplus(dt + dt_bias), clamped): the caller owns that, so prefill and decode clamp identically.
+The CUDA kernels in kernels.py are tested against these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segsum(x: torch.Tensor) -> torch.Tensor:
+    """out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above the diagonal. x: [..., T]."""
+    T = x.size(-1)
+    x = x[..., None].expand(*x.shape, T)  # [..., T, T]; x[..., i, j] = x_i
+    below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=-1)
+    x = x.masked_fill(~below, 0)
+    out = torch.cumsum(x, dim=-2)  # [..., T, T]
+    keep = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=0)
+    return out.masked_fill(~keep, -torch.inf)
+
+
+def ssd_chunk_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD (Mamba2 paper, "minimal" form) over one sequence, in float32.
+
+    x [L, H, P], dt [L, H] (discretised), A [H] (= -exp(A_log)), B and C [L, G, N], D [H] or None,
+    initial_state [H, P, N] or None (zeros). Returns y [L, H, P] (float32, includes D * x) and the
+    final state [H, P, N] (float32) after the last token.
+    """
+    L, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    B = B.float().repeat_interleave(H // G, dim=1)  # [L, H, N]
+    C = C.float().repeat_interleave(H // G, dim=1)  # [L, H, N]
+    x = x.float()
+    dt = dt.float()
+    pad = (-L) % chunk_size
+    xdt = x * dt[..., None]  # [L, H, P]
+    Adt = A.float()[None, :] * dt  # [L, H]
+    # padded tokens have dt = 0: no decay, no input, so they leave the final state alone
+    xdt, Adt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, Adt, B, C))
+    nc = (L + pad) // chunk_size
+    xdt = xdt.view(nc, chunk_size, H, P)  # [c, l, H, P]
+    B = B.view(nc, chunk_size, H, N)  # [c, l, H, N]
+    C = C.view(nc, chunk_size, H, N)  # [c, l, H, N]
+    Adt = Adt.view(nc, chunk_size, H).permute(2, 0, 1)  # [H, c, l]
+    A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
+
+    # 1. intra-chunk (diagonal blocks): attention-like with decay mask
+    decay = torch.exp(segsum(Adt))  # [H, c, l, s]
+    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay  # [H, c, l, s]
+    y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
+
+    # 2. each chunk's own contribution to the state at its end
+    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)  # [c, H, P, N]
+
+    # 3. inter-chunk recurrence: state at the start of every chunk, and the final one
+    if initial_state is None:
+        initial_state = torch.zeros(H, P, N, dtype=torch.float32, device=x.device)
+    states = torch.cat([initial_state.float()[None], chunk_states], dim=0)  # [c+1, H, P, N]
+    chunk_decay = torch.exp(segsum(F.pad(A_cumsum[..., -1], (1, 0))))  # [H, c+1, c+1]
+    states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)  # [c+1, H, P, N]
+    start_states, final_state = states[:-1], states[-1]  # [c, H, P, N], [H, P, N]
+
+    # 4. state -> output for each chunk's tokens
+    decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
+    y_off = torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)  # [c, l, H, P]
+
+    y = (y_diag + y_off).reshape(nc * chunk_size, H, P)[:L]  # [L, H, P]
+    if D is not None:
+        y = y + D.float()[:, None] * x
+    return y, final_state
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over one sequence, continuing from `conv_state`.
+
+    x [L, C_], weight [C_, K], bias [C_] or None, conv_state [C_, K-1] (the K-1 inputs before x; zeros
+    if None). Returns y [L, C_] (in x's dtype) and the new conv state [C_, K-1] (last K-1 inputs).
+    """
+    L, channels = x.shape
+    K = weight.shape[1]
+    if conv_state is None:
+        conv_state = torch.zeros(channels, K - 1, dtype=x.dtype, device=x.device)
+    xs = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)  # [C_, K-1+L]
+    y = F.conv1d(xs[None].to(weight.dtype), weight[:, None, :], bias, groups=channels)[0]  # [C_, L]
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return y.t().to(x.dtype), xs[:, -(K - 1):].clone()
+
+
+def conv1d_update_ref(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per sequence. x [B, C_], conv_pool [S, C_, K-1] (updated in place at `slots`),
+    slots int64 [B] (distinct). Returns y [B, C_]."""
+    state = conv_pool[slots]  # [B, C_, K-1]
+    xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C_, K]
+    y = (xs.to(weight.dtype) * weight[None]).sum(-1)  # [B, C_]
+    if bias is not None:
+        y = y + bias
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    conv_pool[slots] = xs[:, :, 1:].to(conv_pool.dtype)
+    return y.to(x.dtype)
+
+
+def selective_state_update_ref(
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One recurrence step per sequence: h = exp(dt*A) h + dt * B x;  y = C h + D x.
+
+    ssm_pool [S, H, P, N] (updated in place at `slots`), slots int64 [B] (distinct), x [B, H, P],
+    dt [B, H] (discretised), A [H], B and C [B, G, N], D [H] or None. Returns y [B, H, P] float32.
+    """
+    H, G = x.shape[1], B.shape[1]
+    state = ssm_pool[slots].float()  # [B, H, P, N]
+    dt = dt.float()
+    B = B.float().repeat_interleave(H // G, dim=1)  # [B, H, N]
+    C = C.float().repeat_interleave(H // G, dim=1)  # [B, H, N]
+    x = x.float()
+    dA = torch.exp(dt * A.float()[None])  # [B, H]
+    dBx = (dt[..., None] * x)[..., None] * B[:, :, None, :]  # [B, H, P, N]
+    state = state * dA[..., None, None] + dBx  # [B, H, P, N]
+    ssm_pool[slots] = state.to(ssm_pool.dtype)
+    y = torch.einsum("bhpn,bhn->bhp", state, C)  # [B, H, P]
+    if D is not None:
+        y = y + D.float()[:, None] * x
+    return y
