@@ -31,20 +31,29 @@ def make_table(num_blocks: int, seed: int, pool: int) -> torch.Tensor:
     return torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:num_blocks]
 
 
-def run_chunks(model: HybridForCausalLM, caches: ModelCaches, ids: torch.Tensor, splits: Sequence[int],
-               table: torch.Tensor, slot: int, start: int = 0) -> torch.Tensor:
+def run_chunks(
+    model: HybridForCausalLM,
+    caches: ModelCaches,
+    ids: torch.Tensor,
+    splits: Sequence[int],
+    table: torch.Tensor,
+    slot: int,
+    start: int = 0,
+) -> torch.Tensor:
     """Feed ids in consecutive chunks of the given sizes (context carried through caches); returns
     logits [len(ids), vocab]."""
     assert sum(splits) == len(ids)
     out, pos = [], 0
     for n in splits:
         chunk = SeqChunk(start + pos, n, table, slot)
-        out.append(model.compute_logits(model.forward(ForwardBatch(ids[pos:pos + n], (chunk,)), caches)))
+        out.append(model.compute_logits(model.forward(ForwardBatch(ids[pos : pos + n], (chunk,)), caches)))
         pos += n
     return torch.cat(out)
 
 
-def greedy_ours(model: HybridForCausalLM, prompt: torch.Tensor, num_new: int, block_size: int = 16) -> list[int]:
+def greedy_ours(
+    model: HybridForCausalLM, prompt: torch.Tensor, num_new: int, block_size: int = 16
+) -> list[int]:
     """Prefill the prompt in one chunk, then 1-token decode steps through the caches."""
     total = len(prompt) + num_new
     num_blocks = -(-total // block_size)
@@ -68,4 +77,4 @@ def greedy_hf_nocache(hf, prompt: torch.Tensor, num_new: int) -> tuple[list[int]
             last = hf(seq[None]).logits[0, -1]
             step_logits.append(last)
             seq = torch.cat([seq, last.argmax()[None]])
-    return seq[len(prompt):].tolist(), step_logits
+    return seq[len(prompt) :].tolist(), step_logits

@@ -25,7 +25,9 @@ def test_two_prefills_in_one_batch(model):
 
 def test_mixed_prefill_decode_and_fresh_single_token(model):
     """Batch = [decode of A at 40 | prefill chunk of B from 20 | 1-token fresh C | decode of D at 7]."""
-    seqs = {name: make_tokens(n, seed=i) for i, (name, n) in enumerate([("A", 41), ("B", 50), ("C", 1), ("D", 8)])}
+    seqs = {
+        name: make_tokens(n, seed=i) for i, (name, n) in enumerate([("A", 41), ("B", 50), ("C", 1), ("D", 8)])
+    }
     alone = {}
     for name, ids in seqs.items():
         caches = model.allocate_caches(8, 16, 1)
@@ -38,8 +40,12 @@ def test_mixed_prefill_decode_and_fresh_single_token(model):
     run_chunks(model, caches, seqs["A"][:40], [40], tables["A"], slots["A"])
     run_chunks(model, caches, seqs["B"][:20], [20], tables["B"], slots["B"])
     run_chunks(model, caches, seqs["D"][:7], [3, 4], tables["D"], slots["D"])
-    chunks = (SeqChunk(40, 1, tables["A"], slots["A"]), SeqChunk(20, 30, tables["B"], slots["B"]),
-              SeqChunk(0, 1, tables["C"], slots["C"]), SeqChunk(7, 1, tables["D"], slots["D"]))
+    chunks = (
+        SeqChunk(40, 1, tables["A"], slots["A"]),
+        SeqChunk(20, 30, tables["B"], slots["B"]),
+        SeqChunk(0, 1, tables["C"], slots["C"]),
+        SeqChunk(7, 1, tables["D"], slots["D"]),
+    )
     ids = torch.cat([seqs["A"][40:], seqs["B"][20:], seqs["C"], seqs["D"][7:]])
     got = model.compute_logits(model.forward(ForwardBatch(ids, chunks), caches))
     torch.testing.assert_close(got[0], alone["A"][40], atol=ATOL, rtol=0)

@@ -20,9 +20,17 @@ def full_logits(model):
     return ids, run_chunks(model, caches, ids, [N], make_table(10, 0, 16), slot=0)
 
 
-@pytest.mark.parametrize("splits", [
-    [1, N - 1], [63, 1, 86], [64, 64, 22], [16, 16, 100, 18], [5, 60, 3, 1, 1, 80], [149, 1],
-])
+@pytest.mark.parametrize(
+    "splits",
+    [
+        [1, N - 1],
+        [63, 1, 86],
+        [64, 64, 22],
+        [16, 16, 100, 18],
+        [5, 60, 3, 1, 1, 80],
+        [149, 1],
+    ],
+)
 def test_split_prefill_matches_single_chunk(model, full_logits, splits):
     ids, ref = full_logits
     caches = model.allocate_caches(12, 16, 4)
@@ -31,7 +39,10 @@ def test_split_prefill_matches_single_chunk(model, full_logits, splits):
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(1, N - 1), min_size=1, max_size=4, unique=True), block_size=st.sampled_from([4, 16]))
+@given(
+    cuts=st.lists(st.integers(1, N - 1), min_size=1, max_size=4, unique=True),
+    block_size=st.sampled_from([4, 16]),
+)
 def test_random_splits_and_block_sizes(model, full_logits, cuts, block_size):
     ids, ref = full_logits
     bounds = [0, *sorted(cuts), N]

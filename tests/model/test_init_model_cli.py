@@ -14,7 +14,10 @@ from workers.model.init_model import main
 
 def test_cli_dispatch_writes_checkpoint(tmp_path, capsys):
     out = tmp_path / "ck"
-    assert cli_main(["init-model", "--config", str(TINY_YAML), "--out", str(out), "--seed", "5", "--no-mtp"]) == 0
+    assert (
+        cli_main(["init-model", "--config", str(TINY_YAML), "--out", str(out), "--seed", "5", "--no-mtp"])
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "nemotron_h" and cfg["architectures"] == ["NemotronHForCausalLM"]
     assert cfg["num_nextn_predict_layers"] == 0
@@ -33,12 +36,15 @@ def test_same_seed_same_weights_and_reference_init(tmp_path):
     assert ((dt >= 1e-3 - 1e-6) & (dt <= 0.1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize(("text", "needle"), [
-    ("hidden_size: [1, 2\n", "invalid YAML"),
-    ("- just\n- a list\n", "expected a mapping"),
-    ("vocab_size: 512\nhybrid_override_pattern: M-\n", "missing required field"),
-    ("vocab_size: 512\n", "needs hybrid_override_pattern"),
-])
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("hidden_size: [1, 2\n", "invalid YAML"),
+        ("- just\n- a list\n", "expected a mapping"),
+        ("vocab_size: 512\nhybrid_override_pattern: M-\n", "missing required field"),
+        ("vocab_size: 512\n", "needs hybrid_override_pattern"),
+    ],
+)
 def test_bad_yaml_exits_2_with_one_line(tmp_path, capsys, text, needle):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)

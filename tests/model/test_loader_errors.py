@@ -1,4 +1,4 @@
-"""Loader: clear exception types and messages for broken checkpoints; NVIDIA `backbone.` names; fingerprint."""
+"""Loader: clear errors for broken checkpoints; NVIDIA `backbone.` names; fingerprint."""
 
 from __future__ import annotations
 
@@ -74,12 +74,24 @@ def test_missing_unexpected_and_misshapen_tensors(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop("model.layers.3.mixer.k_proj.weight"))
     with pytest.raises(MissingTensorError, match=r"model\.layers\.3\.mixer\.k_proj\.weight"):
         load_model(ckpt)
-    _edit_tensors(ckpt, lambda t: t.update({"model.layers.3.mixer.k_proj.weight": torch.zeros(128, 256),
-                                            "model.layers.0.mixer.extra.weight": torch.zeros(2)}))
+    _edit_tensors(
+        ckpt,
+        lambda t: t.update(
+            {
+                "model.layers.3.mixer.k_proj.weight": torch.zeros(128, 256),
+                "model.layers.0.mixer.extra.weight": torch.zeros(2),
+            }
+        ),
+    )
     with pytest.raises(UnexpectedTensorError, match="extra"):
         load_model(ckpt)
-    _edit_tensors(ckpt, lambda t: (t.pop("model.layers.0.mixer.extra.weight"),
-                                   t.update({"model.layers.3.mixer.k_proj.weight": torch.zeros(64, 256)})))
+    _edit_tensors(
+        ckpt,
+        lambda t: (
+            t.pop("model.layers.0.mixer.extra.weight"),
+            t.update({"model.layers.3.mixer.k_proj.weight": torch.zeros(64, 256)}),
+        ),
+    )
     with pytest.raises(TensorShapeError, match=r"k_proj.*\(64, 256\).*\(128, 256\)"):
         load_model(ckpt)
 
@@ -97,8 +109,12 @@ def test_invalid_config_values(ckpt):
 
 
 def test_backbone_prefix_loads_like_model_prefix(ckpt, tiny_nomtp_dir):
-    _edit_tensors(ckpt, lambda t: t.update({k.replace("model.", "backbone.", 1): t.pop(k)
-                                            for k in [k for k in t if k.startswith("model.")]}))
+    _edit_tensors(
+        ckpt,
+        lambda t: t.update(
+            {k.replace("model.", "backbone.", 1): t.pop(k) for k in [k for k in t if k.startswith("model.")]}
+        ),
+    )
     a, b = load_model(ckpt), load_model(tiny_nomtp_dir)
     ids = make_tokens(9)
     la = run_chunks(a, a.allocate_caches(1, 16, 1), ids, [9], torch.tensor([0]), 0)

@@ -53,19 +53,26 @@ def test_mtp_loads_with_expected_names_and_shapes(model, tiny_dir, seq):
     assert model.mtp is not None
     names = {n for n in load_file(str(tiny_dir / "model.safetensors")) if n.startswith("mtp.")}
     assert names == {"mtp." + n for n, _ in model.mtp.named_parameters()}
-    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
-            "mtp.layers.1.final_layernorm.weight"} <= names
+    assert {
+        "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.enorm.weight",
+        "mtp.layers.0.hnorm.weight",
+        "mtp.layers.1.final_layernorm.weight",
+    } <= names
     assert not any("embeddings" in n or "lm_head" in n for n in names)  # shared with the target
     ids, hidden, _ = seq
     caches = model.allocate_caches(4, 16, 1, num_draft_blocks=6, draft_block_size=16)
     assert set(caches.draft_kv) == {0}
-    out = model.mtp.forward(hidden, ForwardBatch(ids[1:61], (SeqChunk(0, 60, make_table(4, 1, 6), 0),)), caches)
+    out = model.mtp.forward(
+        hidden, ForwardBatch(ids[1:61], (SeqChunk(0, 60, make_table(4, 1, 6), 0),)), caches
+    )
     assert out.shape == (60, model.config.hidden_size)
     assert model.compute_logits(out).shape == (60, model.config.vocab_size)
 
 
-@pytest.mark.parametrize(("splits", "block_size"), [([60], 16), ([17, 1, 30, 12], 16), ([1, 1, 58], 4),
-                                                    ([8, 8, 44], 8)])
+@pytest.mark.parametrize(
+    ("splits", "block_size"), [([60], 16), ([17, 1, 30, 12], 16), ([1, 1, 58], 4), ([8, 8, 44], 8)]
+)
 def test_mtp_paged_matches_dense_reference(model, seq, splits, block_size):
     ids, hidden, ref = seq
     pool = -(-60 // block_size) + 4
@@ -74,7 +81,11 @@ def test_mtp_paged_matches_dense_reference(model, seq, splits, block_size):
     outs, pos = [], 0
     for n in splits:
         chunk = SeqChunk(pos, n, table, state_slot=123)  # state_slot is ignored by the MTP head
-        outs.append(model.mtp.forward(hidden[pos:pos + n], ForwardBatch(ids[pos + 1:pos + 1 + n], (chunk,)), caches))
+        outs.append(
+            model.mtp.forward(
+                hidden[pos : pos + n], ForwardBatch(ids[pos + 1 : pos + 1 + n], (chunk,)), caches
+            )
+        )
         pos += n
     torch.testing.assert_close(torch.cat(outs), ref, atol=ATOL, rtol=0)
 
@@ -88,8 +99,9 @@ def test_mtp_batched_sequences(model, seq):
     caches = model.allocate_caches(4, 16, 1, num_draft_blocks=10)
     perm = make_table(10, 4, 10)
     run = model.mtp.forward(hidden[:40], ForwardBatch(ids[1:41], (SeqChunk(0, 40, perm[:4], 0),)), caches)
-    batch = ForwardBatch(torch.cat([ids[41:61], other[1:]]),
-                         (SeqChunk(40, 20, perm[:4], 0), SeqChunk(0, 10, perm[4:5], 0)))
+    batch = ForwardBatch(
+        torch.cat([ids[41:61], other[1:]]), (SeqChunk(40, 20, perm[:4], 0), SeqChunk(0, 10, perm[4:5], 0))
+    )
     out = model.mtp.forward(torch.cat([hidden[40:], h2]), batch, caches)
     torch.testing.assert_close(torch.cat([run, out[:20]]), ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(out[20:], ref2, atol=ATOL, rtol=0)
@@ -114,7 +126,9 @@ def test_checkpoint_without_mtp_loads_with_mtp_none(tiny_nomtp_dir):
 
 def test_config_with_mtp_but_no_mtp_tensors_gives_mtp_none(tiny_dir, tmp_path):
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
-    tensors = {k: v for k, v in load_file(str(tiny_dir / "model.safetensors")).items() if not k.startswith("mtp.")}
+    tensors = {
+        k: v for k, v in load_file(str(tiny_dir / "model.safetensors")).items() if not k.startswith("mtp.")
+    }
     save_file(tensors, str(tmp_path / "model.safetensors"))
     assert load_model(tmp_path, kernels="torch").mtp is None
 

@@ -35,8 +35,12 @@ def test_greedy_generation_matches_transformers(model, hf_model, prompt_len):
     ref_tokens, _ = greedy_hf_nocache(hf_model, prompt, 16)
     assert greedy_ours(model, prompt, 16) == ref_tokens
     with torch.no_grad():
-        gen = hf_model.generate(prompt[None], attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
-                                max_new_tokens=16, do_sample=False)[0, prompt_len:]
+        gen = hf_model.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+        )[0, prompt_len:]
     assert gen.tolist() == ref_tokens
 
 

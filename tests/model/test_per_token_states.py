@@ -23,8 +23,9 @@ def test_verify_chunk_writes_state_after_every_token(model):
     table = make_table(3, 1, 8)
     run_chunks(model, caches, ids[:ctx], [ctx], table, slot=0)
     verify = SeqChunk(ctx, k1, table, 0, per_token_state_slots=(3, 4, 5, 6))
-    batch = ForwardBatch(torch.cat([ids[ctx:], make_tokens(2, seed=9)]),
-                         (verify, SeqChunk(0, 2, make_table(8, 2, 8)[-1:], 7)))  # + another sequence
+    batch = ForwardBatch(
+        torch.cat([ids[ctx:], make_tokens(2, seed=9)]), (verify, SeqChunk(0, 2, make_table(8, 2, 8)[-1:], 7))
+    )  # + another sequence
     logits = model.compute_logits(model.forward(batch, caches))
     for j, slot in enumerate(verify.per_token_state_slots):
         ref = _prefix_state(model, ids[: ctx + j + 1])

@@ -39,7 +39,7 @@ class PagedPlan:
             pos = torch.arange(chunk.num_total_tokens)  # [S]
             table = chunk.block_table.to("cpu", torch.long)
             reads.append((table[pos // block_size] * block_size + pos % block_size).to(device))  # [S]
-        writes = torch.cat([r[c.num_context_tokens:] for r, c in zip(reads, batch.chunks)])  # [T]
+        writes = torch.cat([r[c.num_context_tokens :] for r, c in zip(reads, batch.chunks)])  # [T]
         return cls(tuple(batch.row_slices()), writes, tuple(reads))
 
 
@@ -52,7 +52,7 @@ class PagedAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.kernels = kernels
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -60,7 +60,9 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: PagedPlan) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: PagedPlan
+    ) -> torch.Tensor:
         """x [T, hidden] (normed) -> [T, hidden]. Writes the new tokens' K/V into `kv` in place."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, hd]

@@ -41,7 +41,12 @@ def draft_kv_bytes_per_block(config: HybridModelConfig, block_size: int, dtype: 
 def state_bytes_per_slot(config: HybridModelConfig, dtype: torch.dtype) -> int:
     """Conv + SSM state bytes of one slot over all Mamba layers."""
     conv = config.conv_dim * (config.conv_kernel - 1) * _elem_bytes(dtype)
-    ssm = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * _elem_bytes(ssm_state_dtype(config))
+    ssm = (
+        config.mamba_num_heads
+        * config.mamba_head_dim
+        * config.ssm_state_size
+        * _elem_bytes(ssm_state_dtype(config))
+    )
     return (conv + ssm) * len(config.mamba_layer_ids)
 
 
@@ -86,15 +91,22 @@ class ModelCaches:
             self.ssm[layer][slot].zero_()
 
     def kv_bytes_per_block(self) -> int:
-        return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self.kv.values())
+        return sum(
+            k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in self.kv.values()
+        )
 
     def draft_kv_bytes_per_block(self) -> int:
-        return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-                   for k, v in self.draft_kv.values())
+        return sum(
+            k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+            for k, v in self.draft_kv.values()
+        )
 
     def state_bytes_per_slot(self) -> int:
-        return sum(self.conv[i][0].numel() * self.conv[i].element_size()
-                   + self.ssm[i][0].numel() * self.ssm[i].element_size() for i in self.conv)
+        return sum(
+            self.conv[i][0].numel() * self.conv[i].element_size()
+            + self.ssm[i][0].numel() * self.ssm[i].element_size()
+            for i in self.conv
+        )
 
 
 def allocate_caches(
@@ -113,15 +125,33 @@ def allocate_caches(
     if kv_block_size < 1 or num_kv_blocks < 0 or num_state_slots < 0 or num_draft_blocks < 0:
         raise ValueError("cache sizes must be non-negative (block sizes positive)")
     kv_shape = (num_kv_blocks, kv_block_size, config.num_key_value_heads, config.head_dim)
-    kv = {i: (torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device))
-          for i in config.attention_layer_ids}
+    kv = {
+        i: (
+            torch.zeros(kv_shape, dtype=dtype, device=device),
+            torch.zeros(kv_shape, dtype=dtype, device=device),
+        )
+        for i in config.attention_layer_ids
+    }
     conv_shape = (num_state_slots, config.conv_dim, config.conv_kernel - 1)
     ssm_shape = (num_state_slots, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size)
     conv = {i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in config.mamba_layer_ids}
-    ssm = {i: torch.zeros(ssm_shape, dtype=ssm_state_dtype(config), device=device) for i in config.mamba_layer_ids}
+    ssm = {
+        i: torch.zeros(ssm_shape, dtype=ssm_state_dtype(config), device=device)
+        for i in config.mamba_layer_ids
+    }
     draft_kv = {}
     if num_draft_blocks:
-        d_shape = (num_draft_blocks, draft_block_size or kv_block_size, config.num_key_value_heads, config.head_dim)
-        draft_kv = {i: (torch.zeros(d_shape, dtype=dtype, device=device),
-                        torch.zeros(d_shape, dtype=dtype, device=device)) for i in config.mtp_attention_layer_ids}
+        d_shape = (
+            num_draft_blocks,
+            draft_block_size or kv_block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        draft_kv = {
+            i: (
+                torch.zeros(d_shape, dtype=dtype, device=device),
+                torch.zeros(d_shape, dtype=dtype, device=device),
+            )
+            for i in config.mtp_attention_layer_ids
+        }
     return ModelCaches(kv=kv, conv=conv, ssm=ssm, draft_kv=draft_kv)

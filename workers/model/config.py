@@ -26,13 +26,25 @@ class LayerKind(str, enum.Enum):
     MLP = "-"
 
 
-_BLOCK_TYPE_TO_CHAR = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
-                       "mlp": "-", "moe": "E"}
+_BLOCK_TYPE_TO_CHAR = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
 _CHAR_TO_BLOCK_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LEGACY_ALIASES = {
-    "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
-    "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
-    "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_dt_init_floor": "time_step_floor",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
 }
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
 
@@ -102,18 +114,33 @@ class HybridModelConfig:
         parse_pattern(self.hybrid_override_pattern)
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern is empty: the model needs at least one layer")
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
-                     "conv_kernel", "chunk_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "mamba_num_heads",
+            "mamba_head_dim",
+            "ssm_state_size",
+            "n_groups",
+            "conv_kernel",
+            "chunk_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.mamba_num_heads % self.n_groups:
-            raise ConfigError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of "
-                              f"n_groups ({self.n_groups})")
+            raise ConfigError(
+                f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups ({self.n_groups})"
+            )
         if self.conv_kernel < 2:
             raise ConfigError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
         if self.mlp_hidden_act not in MLP_ACTIVATIONS:
@@ -123,8 +150,9 @@ class HybridModelConfig:
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
         if not 0 < self.time_step_min <= self.time_step_max:
-            raise ConfigError(f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, "
-                              f"{self.time_step_max}")
+            raise ConfigError(
+                f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, {self.time_step_max}"
+            )
         if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"mamba_ssm_cache_dtype {self.mamba_ssm_cache_dtype!r} is not a float dtype")
         if self.num_nextn_predict_layers not in (0, 1):
@@ -132,8 +160,10 @@ class HybridModelConfig:
         if self.num_nextn_predict_layers:
             kinds = parse_pattern(self.mtp_hybrid_override_pattern, "mtp_hybrid_override_pattern")
             if LayerKind.MAMBA in kinds or not kinds:
-                raise ConfigError("mtp_hybrid_override_pattern may hold only '*' and '-' layers, got "
-                                  f"{self.mtp_hybrid_override_pattern!r}")
+                raise ConfigError(
+                    "mtp_hybrid_override_pattern may hold only '*' and '-' layers, got "
+                    f"{self.mtp_hybrid_override_pattern!r}"
+                )
 
     # ---- derived sizes -----------------------------------------------------------------------
     @property
@@ -203,13 +233,18 @@ class HybridModelConfig:
         if "hybrid_override_pattern" not in data:
             if "layers_block_type" not in data:
                 raise ConfigError("config needs hybrid_override_pattern (or layers_block_type)")
-            data["hybrid_override_pattern"] = _pattern_from_block_types(data["layers_block_type"], "layers_block_type")
+            data["hybrid_override_pattern"] = _pattern_from_block_types(
+                data["layers_block_type"], "layers_block_type"
+            )
         if not isinstance(data["hybrid_override_pattern"], str):
-            raise ConfigError(f"hybrid_override_pattern must be a string, got {data['hybrid_override_pattern']!r}")
+            raise ConfigError(
+                f"hybrid_override_pattern must be a string, got {data['hybrid_override_pattern']!r}"
+            )
         data.pop("layers_block_type", None)
         if "mtp_layers_block_type" in data and "mtp_hybrid_override_pattern" not in data:
             data["mtp_hybrid_override_pattern"] = _pattern_from_block_types(
-                data["mtp_layers_block_type"], "mtp_layers_block_type")
+                data["mtp_layers_block_type"], "mtp_layers_block_type"
+            )
         data.pop("mtp_layers_block_type", None)
         if data.get("num_nextn_predict_layers") is None:
             data["num_nextn_predict_layers"] = 0
@@ -217,8 +252,14 @@ class HybridModelConfig:
             lo, hi = data["time_step_limit"]
             data["time_step_limit"] = (float(lo), float(hi))
         names = {f.name for f in fields(cls)} - {"extra"}
-        missing = sorted(f.name for f in fields(cls) if f.name in names and f.name not in data
-                         and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        missing = sorted(
+            f.name
+            for f in fields(cls)
+            if f.name in names
+            and f.name not in data
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
         if missing:
             raise ConfigError(f"model config is missing required field(s): {', '.join(missing)}")
         known = {k: v for k, v in data.items() if k in names}
@@ -245,7 +286,9 @@ class HybridModelConfig:
         for f in fields(self):
             if f.name != "extra":
                 out[f.name] = getattr(self, f.name)
-        out.pop("time_step_limit")  # transformers ignores it (it clamps at time_step_min); avoids `Infinity` in JSON
+        out.pop(
+            "time_step_limit"
+        )  # transformers ignores it (it clamps at time_step_min); avoids `Infinity` in JSON
         out["model_type"] = "nemotron_h"
         out["architectures"] = ["NemotronHForCausalLM"]
         out["num_hidden_layers"] = self.num_hidden_layers

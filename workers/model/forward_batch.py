@@ -79,24 +79,34 @@ class ForwardBatch:
         seen_slots: set[int] = set()
         for i, c in enumerate(self.chunks):
             if c.num_new_tokens < 1 or c.num_context_tokens < 0:
-                raise ForwardBatchError(f"chunk {i}: need num_new_tokens >= 1 and num_context_tokens >= 0, "
-                                        f"got {c.num_new_tokens}, {c.num_context_tokens}")
+                raise ForwardBatchError(
+                    f"chunk {i}: need num_new_tokens >= 1 and num_context_tokens >= 0, "
+                    f"got {c.num_new_tokens}, {c.num_context_tokens}"
+                )
             if block_size is not None:
                 need = -(-c.num_total_tokens // block_size)
                 if c.block_table.dim() != 1 or c.block_table.shape[0] < need:
-                    raise ForwardBatchError(f"chunk {i}: block_table covers {c.block_table.numel()} blocks, "
-                                            f"positions [0, {c.num_total_tokens}) need {need} of {block_size}")
+                    raise ForwardBatchError(
+                        f"chunk {i}: block_table covers {c.block_table.numel()} blocks, "
+                        f"positions [0, {c.num_total_tokens}) need {need} of {block_size}"
+                    )
                 used = c.block_table[:need]
                 if num_blocks is not None and need and (used.min() < 0 or used.max() >= num_blocks):
-                    raise ForwardBatchError(f"chunk {i}: block ids {used.tolist()} outside pool of {num_blocks}")
+                    raise ForwardBatchError(
+                        f"chunk {i}: block ids {used.tolist()} outside pool of {num_blocks}"
+                    )
             if num_state_slots is not None:
                 slots = [c.state_slot, *(c.per_token_state_slots or ())]
                 if c.per_token_state_slots is not None and len(c.per_token_state_slots) != c.num_new_tokens:
-                    raise ForwardBatchError(f"chunk {i}: {len(c.per_token_state_slots)} per_token_state_slots "
-                                            f"for {c.num_new_tokens} new tokens")
+                    raise ForwardBatchError(
+                        f"chunk {i}: {len(c.per_token_state_slots)} per_token_state_slots "
+                        f"for {c.num_new_tokens} new tokens"
+                    )
                 for s in slots:
                     if not 0 <= s < num_state_slots:
-                        raise ForwardBatchError(f"chunk {i}: state slot {s} outside pool of {num_state_slots}")
+                        raise ForwardBatchError(
+                            f"chunk {i}: state slot {s} outside pool of {num_state_slots}"
+                        )
                 if c.state_slot in seen_slots:
                     raise ForwardBatchError(f"chunk {i}: state slot {c.state_slot} used twice in one batch")
                 seen_slots.add(c.state_slot)

@@ -57,7 +57,9 @@ class HybridForCausalLM(nn.Module):
     mtp: MTPHead | None (draft head sharing embeddings and lm_head)
     """
 
-    def __init__(self, config: HybridModelConfig, kernels: KernelSet = TORCH_KERNELS, *, with_mtp: bool = False):
+    def __init__(
+        self, config: HybridModelConfig, kernels: KernelSet = TORCH_KERNELS, *, with_mtp: bool = False
+    ):
         super().__init__()
         from workers.model.mtp import MTPHead  # mtp.py builds on this module's blocks
 
@@ -80,8 +82,11 @@ class HybridForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run the batch's new tokens through all layers; see forward_batch.SeqChunk for cache semantics."""
-        batch.validate(caches.kv_block_size, caches.num_kv_blocks,
-                       caches.num_state_slots if self.config.mamba_layer_ids else None)
+        batch.validate(
+            caches.kv_block_size,
+            caches.num_kv_blocks,
+            caches.num_state_slots if self.config.mamba_layer_ids else None,
+        )
         plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
         h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]
         for i, block in enumerate(self.model.layers):
@@ -100,12 +105,25 @@ class HybridForCausalLM(nn.Module):
         return self.lm_head(hidden.to(self.dtype)).float()  # [T, vocab]
 
     # ---- caches ----------------------------------------------------------------------------------
-    def allocate_caches(self, num_kv_blocks: int, kv_block_size: int, num_state_slots: int,
-                        num_draft_blocks: int = 0, draft_block_size: int | None = None) -> ModelCaches:
+    def allocate_caches(
+        self,
+        num_kv_blocks: int,
+        kv_block_size: int,
+        num_state_slots: int,
+        num_draft_blocks: int = 0,
+        draft_block_size: int | None = None,
+    ) -> ModelCaches:
         """Zeroed caches in the model's dtype and device (SSM state in config.mamba_ssm_cache_dtype)."""
-        return cache_mod.allocate_caches(self.config, num_kv_blocks, kv_block_size, num_state_slots,
-                                         num_draft_blocks if self.mtp is not None else 0, draft_block_size,
-                                         dtype=self.dtype, device=self.device)
+        return cache_mod.allocate_caches(
+            self.config,
+            num_kv_blocks,
+            kv_block_size,
+            num_state_slots,
+            num_draft_blocks if self.mtp is not None else 0,
+            draft_block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return cache_mod.kv_bytes_per_block(self.config, block_size, self.dtype)

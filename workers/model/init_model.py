@@ -1,4 +1,4 @@
-"""`hybridserve init-model`: write a random-weight NemotronH-format checkpoint (config.json + model.safetensors).
+"""`hybridserve init-model`: write a random-weight NemotronH-format checkpoint (config.json + safetensors).
 
     hybridserve init-model --config configs/models/tiny-nemotron-h.yaml --out DIR [--seed S] [--no-mtp]
 
@@ -47,7 +47,9 @@ def init_weights(model: HybridForCausalLM, seed: int) -> None:
                 value = torch.ones(p.shape)
             elif name.endswith("dt_bias"):
                 lo, hi = math.log(config.time_step_min), math.log(config.time_step_max)
-                dt = torch.exp(torch.rand(p.shape, generator=g) * (hi - lo) + lo).clamp(min=config.time_step_floor)
+                dt = torch.exp(torch.rand(p.shape, generator=g) * (hi - lo) + lo).clamp(
+                    min=config.time_step_floor
+                )
                 value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
             elif "conv1d" in name:
                 bound = 1.0 / math.sqrt(config.conv_kernel)
@@ -105,7 +107,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="YAML file of NemotronH config fields")
     parser.add_argument("--out", required=True, help="output checkpoint directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-mtp", action="store_true", help="write no MTP head (num_nextn_predict_layers: 0)")
+    parser.add_argument(
+        "--no-mtp", action="store_true", help="write no MTP head (num_nextn_predict_layers: 0)"
+    )
     args = parser.parse_args(argv)
     try:
         raw = _load_yaml(args.config)
@@ -116,8 +120,10 @@ def main(argv: list[str]) -> int:
         print(f"hybridserve init-model: {exc}", file=sys.stderr)
         return 2
     out = write_checkpoint(config, args.out, args.seed)
-    print(f"wrote {out} (pattern {config.hybrid_override_pattern}, "
-          f"mtp {'yes' if config.num_nextn_predict_layers else 'no'})")
+    print(
+        f"wrote {out} (pattern {config.hybrid_override_pattern}, "
+        f"mtp {'yes' if config.num_nextn_predict_layers else 'no'})"
+    )
     return 0
 
 

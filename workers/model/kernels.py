@@ -64,7 +64,9 @@ class KernelSet:
     attention: Callable[..., torch.Tensor]
 
 
-TORCH_KERNELS = KernelSet("torch", ssd_chunk_scan_ref, conv1d_update_ref, selective_state_update_ref, attention_ref)
+TORCH_KERNELS = KernelSet(
+    "torch", ssd_chunk_scan_ref, conv1d_update_ref, selective_state_update_ref, attention_ref
+)
 
 
 def missing_cuda_packages() -> list[str]:
@@ -80,7 +82,14 @@ def _cuda_kernels() -> KernelSet:
     def ssd_scan(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
         init = None if initial_state is None else initial_state[None].float()
         y, final = ssd_combined.mamba_chunk_scan_combined(
-            x[None], dt[None], A, B[None], C[None], chunk_size, D=D, initial_states=init,
+            x[None],
+            dt[None],
+            A,
+            B[None],
+            C[None],
+            chunk_size,
+            D=D,
+            initial_states=init,
             return_final_states=True,
         )  # y [1, L, H, P], final [1, H, P, N]
         return y[0], final[0]
@@ -93,8 +102,15 @@ def _cuda_kernels() -> KernelSet:
     def state_update(ssm_pool, slots, x, dt, A, B, C, D=None):
         P, N = x.shape[-1], ssm_pool.shape[-1]
         return ssu.selective_state_update(
-            ssm_pool, x, dt[..., None].expand(-1, -1, P), A[:, None, None].expand(-1, P, N), B, C,
-            D=None if D is None else D[:, None].expand(-1, P), dt_softplus=False, state_batch_indices=slots,
+            ssm_pool,
+            x,
+            dt[..., None].expand(-1, -1, P),
+            A[:, None, None].expand(-1, P, N),
+            B,
+            C,
+            D=None if D is None else D[:, None].expand(-1, P),
+            dt_softplus=False,
+            state_batch_indices=slots,
         )  # [B, H, P]
 
     def attention(q, k, v, scale):
@@ -112,7 +128,8 @@ def select_kernels(choice: str = "auto", device: torch.device | str = "cpu") -> 
     if choice == "cuda":
         if missing:
             raise KernelUnavailableError(
-                f"kernels='cuda' needs {', '.join(missing)} (pip install '.[cuda]'), or use kernels='torch'")
+                f"kernels='cuda' needs {', '.join(missing)} (pip install '.[cuda]'), or use kernels='torch'"
+            )
         if device.type != "cuda":
             raise KernelUnavailableError(f"kernels='cuda' needs the model on a CUDA device, not {device}")
         kernels, why = _cuda_kernels(), "requested"

@@ -46,7 +46,7 @@ def _read_tensors(shards: list[Path]) -> dict[str, torch.Tensor]:
     for shard in shards:
         for name, t in load_file(str(shard)).items():
             if name.startswith("backbone."):
-                name = "model." + name[len("backbone."):]
+                name = "model." + name[len("backbone.") :]
             tensors[name] = t
     return tensors
 
@@ -62,12 +62,18 @@ def _check_names(expected: dict[str, torch.Size], found: dict[str, torch.Tensor]
         raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:5])}{more}")
     for name, shape in expected.items():
         if found[name].shape != shape:
-            raise TensorShapeError(f"{where}: {name} has shape {tuple(found[name].shape)}, config implies "
-                                   f"{tuple(shape)}")
+            raise TensorShapeError(
+                f"{where}: {name} has shape {tuple(found[name].shape)}, config implies {tuple(shape)}"
+            )
 
 
-def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               kernels: str = "auto") -> HybridForCausalLM:
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    kernels: str = "auto",
+) -> HybridForCausalLM:
     """Build the model described by model_dir/config.json and load its weights (eval mode, no grad)."""
     config_path, shards = checkpoint_files(model_dir)
     config = HybridModelConfig.from_json_file(config_path)
@@ -76,11 +82,15 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32, dev
     mtp_names = [n for n in tensors if n.startswith(MTP_PREFIX)]
     with_mtp = config.num_nextn_predict_layers > 0 and bool(mtp_names)
     if mtp_names and not with_mtp:
-        log.warning("%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", model_dir, len(mtp_names))
+        log.warning(
+            "%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", model_dir, len(mtp_names)
+        )
         for n in mtp_names:
             tensors.pop(n)
     if config.num_nextn_predict_layers and not mtp_names:
-        log.info("%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", model_dir)
+        log.info(
+            "%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", model_dir
+        )
 
     with torch.device("meta"):
         model = HybridForCausalLM(config, kernel_set, with_mtp=with_mtp)

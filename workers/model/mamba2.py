@@ -43,8 +43,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_min = config.dt_limit[0]
         self.kernels = kernels
         self.in_proj = nn.Linear(config.hidden_size, config.in_proj_dim, bias=config.use_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim,
-                                bias=config.use_conv_bias, padding=config.conv_kernel - 1)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            config.conv_kernel,
+            groups=self.conv_dim,
+            bias=config.use_conv_bias,
+            padding=config.conv_kernel - 1,
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.nheads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.nheads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(self.nheads))
@@ -56,19 +62,30 @@ class Mamba2Mixer(nn.Module):
         n = xbc.shape[0]
         gn = self.ngroups * self.d_state
         x, B, C = torch.split(xbc, [self.d_inner, gn, gn], dim=-1)
-        return (x.reshape(n, self.nheads, self.head_dim), B.reshape(n, self.ngroups, self.d_state),
-                C.reshape(n, self.ngroups, self.d_state))
+        return (
+            x.reshape(n, self.nheads, self.head_dim),
+            B.reshape(n, self.ngroups, self.d_state),
+            C.reshape(n, self.ngroups, self.d_state),
+        )
 
-    def _step(self, xbc_raw: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor,
-              conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self,
+        xbc_raw: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        slots: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
         """One token for each of len(slots) sequences: xbc_raw [B, conv_dim], dt [B, H] -> y [B, H, P]."""
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         xbc = self.kernels.conv1d_update(xbc_raw, conv_pool, slots, weight, self.conv1d.bias, "silu")
         x, B, C = self._split_xbc(xbc)
         return self.kernels.state_update(ssm_pool, slots, x, dt, A, B, C, self.D)  # [B, H, P]
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor,
-                ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T, hidden_size] (normed) -> [T, hidden_size]; updates the chunks' state slots in place."""
         T = hidden.shape[0]
         proj = self.in_proj(hidden)  # [T, in_proj_dim]
@@ -80,7 +97,9 @@ class Mamba2Mixer(nn.Module):
         rows = batch.row_slices()
         device = hidden.device
 
-        decodes = [i for i, c in enumerate(batch.chunks) if c.num_new_tokens == 1 and c.per_token_state_slots is None]
+        decodes = [
+            i for i, c in enumerate(batch.chunks) if c.num_new_tokens == 1 and c.per_token_state_slots is None
+        ]
         decode_set = set(decodes)
         if decodes:
             fresh = [batch.chunks[i].state_slot for i in decodes if batch.chunks[i].num_context_tokens == 0]
@@ -102,7 +121,9 @@ class Mamba2Mixer(nn.Module):
                 slot_t = torch.tensor([slot], device=device)
                 for j, dst in enumerate(chunk.per_token_state_slots):
                     t = r.start + j
-                    y[t:t + 1] = self._step(xbc_raw[t:t + 1], dt[t:t + 1], A, slot_t, conv_pool, ssm_pool)
+                    y[t : t + 1] = self._step(
+                        xbc_raw[t : t + 1], dt[t : t + 1], A, slot_t, conv_pool, ssm_pool
+                    )
                     if dst != slot:
                         conv_pool[dst].copy_(conv_pool[slot])
                         ssm_pool[dst].copy_(ssm_pool[slot])

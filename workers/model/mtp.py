@@ -26,8 +26,9 @@ from workers.model.norms import RMSNorm
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config: HybridModelConfig, kind: LayerKind, kernels: KernelSet, *, first: bool,
-                 last: bool) -> None:
+    def __init__(
+        self, config: HybridModelConfig, kind: LayerKind, kernels: KernelSet, *, first: bool, last: bool
+    ) -> None:
         super().__init__()
         self.kind = kind
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
@@ -49,9 +50,12 @@ class MTPHead(nn.Module):
     def __init__(self, config: HybridModelConfig, embeddings: nn.Embedding, kernels: KernelSet) -> None:
         super().__init__()
         kinds = config.mtp_layer_kinds
-        self.layers = nn.ModuleList([
-            MTPLayer(config, k, kernels, first=j == 0, last=j == len(kinds) - 1) for j, k in enumerate(kinds)
-        ])
+        self.layers = nn.ModuleList(
+            [
+                MTPLayer(config, k, kernels, first=j == 0, last=j == len(kinds) - 1)
+                for j, k in enumerate(kinds)
+            ]
+        )
         self._shared = (embeddings,)  # a tuple keeps the target's embedding out of mtp.* parameters
 
     @torch.no_grad()

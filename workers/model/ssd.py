@@ -106,7 +106,7 @@ def causal_conv1d_ref(
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    return y.t().to(x.dtype), xs[:, -(K - 1):].clone()
+    return y.t().to(x.dtype), xs[:, -(K - 1) :].clone()
 
 
 def conv1d_update_ref(
