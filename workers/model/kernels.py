@@ -114,7 +114,10 @@ def _cuda_kernels() -> KernelSet:
         )  # [B, H, P]
 
     def attention(q, k, v, scale):
-        return flash.flash_attn_func(q[None], k[None], v[None], softmax_scale=scale, causal=True)[0]
+        # flash-attn takes fp16/bf16 only: a float32 model attends in bf16 and casts back
+        dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        q16, k16, v16 = (t.to(dtype)[None] for t in (q, k, v))
+        return flash.flash_attn_func(q16, k16, v16, softmax_scale=scale, causal=True)[0].to(q.dtype)
 
     return KernelSet("cuda", ssd_scan, conv1d_update, state_update, attention)
 
