@@ -1,0 +1,49 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from cache_service.coordinator import EagleMode
+from workers.engine.errors import EngineConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 8192
+    kv_block_size: int = 16  # attention KV block (target and draft pools)
+    mamba_block_size: int = 64  # Mamba checkpoint granularity; alignment = lcm with kv_block_size
+    cache_memory_bytes: int = 256 * 2**20  # KV + draft KV + Mamba state pools together
+    mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
+    max_num_seqs: int = 8
+    chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
+    num_spec_tokens: int = 3  # MTP draft tokens per step; 0 disables speculation
+    eagle_mode: EagleMode = EagleMode.LOSSLESS  # drop | lossless (ignored without speculation)
+    retention: str = "latest"  # latest | dense | interval in tokens
+    enable_prefix_caching: bool = True
+    kernels: str = "auto"  # auto | torch | cuda
+    model_fingerprint: str = ""  # filled from the checkpoint when empty
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "kv_block_size", "mamba_block_size", "cache_memory_bytes",
+                     "max_num_seqs", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_spec_tokens, int) or not 0 <= self.num_spec_tokens <= 16:
+            raise EngineConfigError(f"num_spec_tokens must be an integer in 0..16, got {self.num_spec_tokens!r}")
+        if not 0.0 < self.mamba_memory_fraction < 1.0:
+            raise EngineConfigError(f"mamba_memory_fraction must be in (0, 1), got {self.mamba_memory_fraction}")
+        try:
+            object.__setattr__(self, "eagle_mode", EagleMode(self.eagle_mode))
+        except ValueError:
+            raise EngineConfigError(f"eagle_mode must be drop or lossless, got {self.eagle_mode!r}") from None
+        if self.eagle_mode is EagleMode.OFF and self.num_spec_tokens:
+            raise EngineConfigError("eagle_mode off cannot be combined with speculation; use drop or lossless")
+        if self.kernels not in ("auto", "torch", "cuda"):
+            raise EngineConfigError(f"kernels must be auto, torch or cuda, got {self.kernels!r}")
+
+    def replace(self, **changes) -> EngineConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EngineConfig(**values)

@@ -1,0 +1,81 @@
+"""Draft-token proposers for speculative decoding.
+
+The engine hands a drafter, after every target forward, the rows whose true inputs are now
+known: for positions p in [start, start + m) the target hidden state h_p and the next token
+t_{p+1}. `MTPDrafter` runs the checkpoint's MTP head over them (writing the draft layer's KV for
+those positions: the draft cache group) and, for requests that want drafts, chains k tokens:
+d_1 from the last row, then d_j from (MTP hidden of d_{j-1}'s position, d_{j-1}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.engine.request import Request
+
+
+@dataclass
+class DraftInput:
+    req: Request
+    start: int  # position of the first row
+    hidden: torch.Tensor  # [m, hidden] target hidden states at positions start..start+m-1
+    next_token_ids: list[int]  # m tokens: t_{p+1} for each row
+    propose: bool  # the request decodes next and wants k drafts
+
+
+class Drafter(Protocol):
+    num_spec_tokens: int
+
+    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
+        """Process the rows (updating `req.num_draft_computed_tokens`) and return drafts for the
+        inputs with `propose` set, keyed by request id."""
+        ...
+
+
+class MTPDrafter:
+    def __init__(self, model, caches, num_spec_tokens: int) -> None:
+        from workers.model.forward_batch import ForwardBatch, SeqChunk
+
+        self._batch, self._chunk = ForwardBatch, SeqChunk
+        self.model = model
+        self.caches = caches
+        self.num_spec_tokens = num_spec_tokens
+
+    def _table(self, req: Request) -> torch.Tensor:
+        return torch.tensor([b.block_id for b in req.draft_blocks], dtype=torch.long)
+
+    @torch.no_grad()
+    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
+        if not inputs:
+            return {}
+        chunks = [self._chunk(i.start, len(i.next_token_ids), self._table(i.req), 0) for i in inputs]
+        ids = torch.tensor([t for i in inputs for t in i.next_token_ids], dtype=torch.long)
+        hidden = torch.cat([i.hidden for i in inputs])
+        out = self.model.mtp.forward(hidden, self._batch(ids, tuple(chunks)), self.caches)
+        drafts: dict[str, list[int]] = {}
+        last_rows, row = [], 0
+        for i in inputs:
+            m = len(i.next_token_ids)
+            i.req.num_draft_computed_tokens = i.start + m
+            row += m
+            if i.propose:
+                last_rows.append((i, row - 1))
+        if not last_rows:
+            return drafts
+        proposing = [i for i, _ in last_rows]
+        h = out[[r for _, r in last_rows]]  # [b, hidden]
+        tokens = torch.argmax(self.model.compute_logits(h), dim=-1)  # [b]
+        for i, t in zip(proposing, tokens.tolist()):
+            drafts[i.req.request_id] = [t]
+        for j in range(1, self.num_spec_tokens):
+            chunks = [
+                self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, self._table(i.req), 0) for i in proposing
+            ]
+            h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks)), self.caches)
+            tokens = torch.argmax(self.model.compute_logits(h), dim=-1)
+            for i, t in zip(proposing, tokens.tolist()):
+                drafts[i.req.request_id].append(t)
+        return drafts

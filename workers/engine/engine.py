@@ -1,0 +1,323 @@
+"""`LLMEngine`: one replica's engine loop over the model, the caches and the scheduler.
+
+    add_request -> Scheduler.waiting -> try_admit (prefix hit restored) -> running
+    step(): schedule -> one ForwardBatch (prefill chunks + decodes + verifies) -> target forward
+            -> sample / verify + Mamba rollback -> snapshots at checkpoints -> drafter (MTP)
+            -> publish completed blocks -> finish (final-boundary snapshots, release)
+
+Speculation: greedy requests only (sampled requests decode one token at a time), verified
+greedily, so outputs equal non-speculative greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.coordinator import EagleMode
+from cache_service.events import EventSink
+from workers.engine.cache_manager import EngineCacheManager
+from workers.engine.config import EngineConfig
+from workers.engine.drafter import DraftInput, Drafter, MTPDrafter
+from workers.engine.errors import EngineConfigError, InvalidRequestError
+from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from workers.engine.sampling import Sampler, SamplingParams
+from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
+from workers.model.forward_batch import ForwardBatch, SeqChunk
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, *, drafter: Drafter | None = None,
+                 events: EventSink | None = None) -> None:
+        self.model = model
+        self.config = config
+        mconf = model.config
+        self.vocab_size = mconf.vocab_size
+        self.eos_token_id = getattr(mconf, "eos_token_id", None)
+        self.speculative = config.num_spec_tokens > 0 and (model.mtp is not None or drafter is not None)
+        if config.num_spec_tokens > 0 and not self.speculative:
+            log.info("checkpoint has no MTP head: speculative decoding disabled")
+        num_kv_blocks, num_slots = size_pools(model, config, self.speculative)
+        self.caches = model.allocate_caches(
+            num_kv_blocks, config.kv_block_size, num_slots,
+            num_draft_blocks=num_kv_blocks if self.speculative else 0,
+            draft_block_size=config.kv_block_size if self.speculative else None,
+        )
+        self.cache = EngineCacheManager(
+            config, self.caches, num_kv_blocks, num_slots, mconf.hidden_size, self.speculative, events
+        )
+        self.scheduler = Scheduler(config, self.cache)
+        if self.speculative and drafter is None:
+            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens)
+        self.drafter = drafter
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info(
+            "engine: %d KV blocks x %d tokens, %d state pages, alignment %d, speculation %s (%s)",
+            num_kv_blocks, config.kv_block_size, num_slots, self.cache.alignment,
+            config.num_spec_tokens if self.speculative else 0, config.eagle_mode.value,
+        )
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, config: EngineConfig | None = None, **kw) -> LLMEngine:
+        from workers.model.loader import load_model, model_fingerprint
+
+        config = config or EngineConfig()
+        model = load_model(model_dir, kernels=config.kernels)
+        if not config.model_fingerprint:
+            config = config.replace(model_fingerprint=model_fingerprint(model_dir))
+        return cls(model, config, **kw)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("prompt token ids must be integers")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; max_model_len is {limit} (prompt + at least 1 output)"
+            )
+        if params.max_tokens > limit - len(prompt):
+            params = dataclasses.replace(params, max_tokens=limit - len(prompt))
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        hashes = RequestBlockHashes(
+            self.cache.layout.hash_block_size, prompt, model_fingerprint=self.config.model_fingerprint,
+            cache_salt=cache_salt,
+        )
+        req = Request(request_id, prompt, params, hashes, cache_salt, sampler=Sampler(params))
+        if not self.cache.fits_at_all(req):
+            raise InvalidRequestError(
+                f"prompt + max_tokens ({len(prompt)} + {params.max_tokens}) does not fit the KV cache; "
+                "lower max_tokens or raise cache_memory_bytes"
+            )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.status is RequestStatus.FINISHED:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        ids = [self.add_request(p, params, cache_salt=cache_salt) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if not self.has_unfinished() and len(done) < len(ids):
+                raise RuntimeError("engine stalled with unfinished requests")
+        for i in ids:
+            self.requests.pop(i, None)
+        return [done[i] for i in ids]
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        hidden = self.model.forward(self._batch(scheduled), self.caches)  # [T, hidden]
+        new_tokens: dict[str, list[int]] = {}
+        draft_inputs: list[DraftInput] = []
+        row = 0
+        for item in scheduled:
+            rows = hidden[row : row + item.num_new_tokens]
+            row += item.num_new_tokens
+            handler = self._after_prefill if item.kind is ChunkKind.PREFILL else self._after_decode
+            tokens, draft_input = handler(item, rows)
+            new_tokens[item.req.request_id] = tokens
+            if draft_input is not None:
+                draft_inputs.append(draft_input)
+        if self.drafter is not None:
+            live = [d for d in draft_inputs if d.req.status is not RequestStatus.FINISHED]
+            for rid, drafts in self.drafter.run(live).items():
+                req = self.requests[rid]
+                room = req.params.max_tokens - len(req.output_token_ids) - 1
+                req.draft_token_ids = drafts[: max(0, room)]
+                req.num_draft_proposed += len(req.draft_token_ids)
+        outputs = []
+        for item in scheduled:
+            req = item.req
+            if req.status is not RequestStatus.FINISHED:
+                self.cache.publish(req)
+            outputs.append(RequestOutput.of(req, new_tokens[req.request_id]))
+        return outputs
+
+    def _batch(self, scheduled: list[ScheduledChunk]) -> ForwardBatch:
+        ids: list[int] = []
+        chunks = []
+        for item in scheduled:
+            req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
+            if item.kind is ChunkKind.PREFILL:
+                ids.extend(req.prompt_token_ids[n : n + m])
+            else:
+                ids.append(req.output_token_ids[-1])
+                ids.extend(req.draft_token_ids)
+            per_token = None
+            if item.kind is ChunkKind.VERIFY:
+                per_token = tuple(s.block_id for s in req.verify_slots[:m])
+            table = torch.tensor([b.block_id for b in req.kv_blocks], dtype=torch.long)
+            chunks.append(SeqChunk(n, m, table, req.state_slot.block_id, per_token))
+        return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks))
+
+    def _wants_drafts(self, req: Request) -> bool:
+        return self.speculative and req.params.greedy
+
+    def _after_prefill(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
+        req, m = item.req, item.num_new_tokens
+        start = req.num_computed_tokens
+        self.cache.record_hidden(req, start, rows)
+        req.num_computed_tokens = end = start + m
+        if end in req.checkpoints:
+            self.cache.snapshot(req, req.state_slot, end)
+        tokens: list[int] = []
+        if end == req.num_prompt_tokens:
+            token = req.sampler.sample(self.model.compute_logits(rows[-1:])[0])
+            req.first_token_s = time.perf_counter()
+            tokens = self._emit(req, [token])
+        if not self._wants_drafts(req):
+            return tokens, None
+        # draft rows: positions [draft_start, end) whose next token is known now
+        draft_start = req.num_draft_computed_tokens
+        hidden = rows
+        if draft_start < start:  # lossless hit: the draft layer's position L-1 from the sidecar
+            hidden = torch.cat([self.cache.hit_sidecar(req)[None], rows])
+        known = req.all_token_ids
+        next_ids = known[draft_start + 1 : end + 1]
+        if len(next_ids) < end - draft_start:  # final prompt token's successor not sampled (finished)
+            hidden = hidden[: len(next_ids)]
+        if not next_ids:
+            return tokens, None
+        propose = end == req.num_prompt_tokens and req.status is not RequestStatus.FINISHED
+        return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
+
+    def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
+        req, n = item.req, item.req.num_computed_tokens
+        drafts = req.draft_token_ids
+        logits = self.model.compute_logits(rows)  # [1 + d, vocab]
+        if drafts:
+            target = torch.argmax(logits, dim=-1).tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            proposal = drafts[:accepted] + [target[accepted]]
+            req.num_draft_accepted += accepted
+            self.caches.copy_state(req.verify_slots[accepted].block_id, req.state_slot.block_id)
+        else:
+            accepted = 0
+            proposal = [req.sampler.sample(logits[0])]
+        req.draft_token_ids = []
+        self.cache.record_hidden(req, n, rows[: accepted + 1])
+        req.num_computed_tokens = n + accepted + 1
+        self._track_boundaries(req, n, accepted + 1, bool(drafts))
+        tokens = self._emit(req, proposal)
+        if not self._wants_drafts(req) or not tokens:
+            return tokens, None
+        next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
+        hidden = rows[: len(next_ids)]
+        propose = req.status is not RequestStatus.FINISHED
+        return tokens, DraftInput(req, n, hidden, next_ids, propose)
+
+    def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
+        """Keep the Mamba states at the last two alignment boundaries passed while decoding
+        (the final boundary F and F - A), for the next chat turn."""
+        step = self.cache.alignment
+        for pos in range(start + 1, start + count + 1):
+            if pos % step:
+                continue
+            src = req.verify_slots[pos - start - 1] if verified else req.state_slot
+            if len(req.final_positions) == 2:
+                slot = req.final_slots.pop(0)
+                req.final_positions.pop(0)
+                req.final_slots.append(slot)
+            else:
+                slot = req.final_slots[len(req.final_positions)]
+            self.caches.copy_state(src.block_id, slot.block_id)
+            req.final_positions.append(pos)
+
+    def _emit(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append sampled tokens, stopping at a stop token or the length limit."""
+        out = []
+        stops = set(req.params.stop_token_ids)
+        if self.eos_token_id is not None and not req.params.ignore_eos:
+            stops.add(self.eos_token_id)
+        reason = None
+        for t in tokens:
+            out.append(t)
+            req.output_token_ids.append(t)
+            if t in stops:
+                reason = FinishReason.STOP
+                break
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        req.hashes.append(out)
+        if reason is not None:
+            self._finish(req, reason)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        self.scheduler.remove(req)
+        if req.state_slot is not None and reason is not FinishReason.ABORT:
+            self.cache.publish(req)
+            keep = set(self.cache.planner.checkpoints(req.num_prompt_tokens, req.num_computed_tokens, req.junctions))
+            for pos, slot in zip(req.final_positions, req.final_slots):
+                if pos in keep:
+                    self.cache.snapshot(req, slot, pos)
+        if req.state_slot is not None:
+            self.cache.release(req)
+
+
+def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
+    """(num_kv_blocks, num_state_slots) from the memory budget and the model's page sizes."""
+    kv_bytes = model.kv_bytes_per_block(config.kv_block_size)
+    if speculative:
+        kv_bytes += model.draft_kv_bytes_per_block(config.kv_block_size)
+    state_bytes = model.state_bytes_per_slot()
+    budget = config.cache_memory_bytes
+    num_slots = int(budget * config.mamba_memory_fraction) // max(1, state_bytes)
+    num_blocks = int(budget * (1 - config.mamba_memory_fraction)) // max(1, kv_bytes)
+    need_blocks = -(-config.max_model_len // config.kv_block_size) + 2
+    need_slots = 8 + config.num_spec_tokens
+    if num_blocks < need_blocks or num_slots < need_slots:
+        raise EngineConfigError(
+            f"cache_memory_bytes={budget} gives {num_blocks} KV blocks and {num_slots} state pages; "
+            f"one max_model_len request needs {need_blocks} blocks and {need_slots} pages"
+        )
+    return num_blocks, num_slots
+
+
+__all__ = ["LLMEngine", "EagleMode", "size_pools"]

@@ -1,0 +1,97 @@
+"""One request's state inside the engine, and what the engine reports back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.block_pool import CacheBlock
+from workers.engine.sampling import Sampler, SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hashes: RequestBlockHashes
+    cache_salt: str | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # what the caches hold for this request
+    num_computed_tokens: int = 0  # target KV + Mamba state valid for [0, n)
+    num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
+    num_cached_tokens: int = 0  # the prefix hit at admission
+    kv_blocks: list[CacheBlock] = field(default_factory=list)
+    draft_blocks: list[CacheBlock] = field(default_factory=list)
+    state_slot: CacheBlock | None = None  # working Mamba state
+    verify_slots: list[CacheBlock] = field(default_factory=list)  # per-token states for rollback
+    checkpoints: tuple[int, ...] = ()  # planned Mamba snapshot positions
+    junctions: tuple[int, ...] = ()
+    final_slots: list[CacheBlock] = field(default_factory=list)  # states at the last two boundaries of decode
+    final_positions: list[int] = field(default_factory=list)  # their positions, oldest first
+    num_published: list[int] = field(default_factory=lambda: [0, 0, 0])  # blocks published per group
+    draft_token_ids: list[int] = field(default_factory=list)
+    sampler: Sampler | None = None
+    first_token_s: float | None = None
+    finish_reason: FinishReason | None = None
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    num_draft_proposed: int
+    num_draft_accepted: int
+
+    @classmethod
+    def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        return cls(
+            req.request_id, tuple(new_token_ids), tuple(req.output_token_ids), req.status is RequestStatus.FINISHED,
+            req.finish_reason.value if req.finish_reason else None, req.num_prompt_tokens, req.num_cached_tokens,
+            req.ttft_s, req.num_draft_proposed, req.num_draft_accepted,
+        )
