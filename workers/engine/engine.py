@@ -24,7 +24,7 @@ from cache_service.coordinator import EagleMode
 from cache_service.events import EventSink
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
-from workers.engine.drafter import DraftInput, Drafter, MTPDrafter
+from workers.engine.drafter import Drafter, DraftInput, MTPDrafter
 from workers.engine.errors import EngineConfigError, InvalidRequestError
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams

@@ -1,0 +1,34 @@
+import random
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.model.init_model import main as init_model_main
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("tiny")
+    assert init_model_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", str(out), "--seed", "1"]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    from workers.model.loader import load_model
+
+    return load_model(tiny_dir, kernels="torch")
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 2048)
+    kw.setdefault("cache_memory_bytes", 96 * 2**20)
+    return LLMEngine(model, EngineConfig(kernels="torch", **kw))
+
+
+def make_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]

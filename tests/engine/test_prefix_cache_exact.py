@@ -1,0 +1,81 @@
+"""Warm output == cold output, token for token, and the engine's hit == `explain`'s prediction."""
+
+import pytest
+
+from cache_service.coordinator import EagleMode
+from cache_service.simulate import Scenario, simulate
+from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, MambaSpec
+from tests.engine.conftest import make_engine, make_prompt
+from workers.engine.sampling import SamplingParams
+
+LENGTHS = [1, 17, 63, 64, 65, 130, 257, 400]
+MODES = [(0, "lossless"), (3, "drop"), (3, "lossless")]
+
+
+def predicted_hit(prompt_len: int, k: int, eagle: str, retention: str) -> int:
+    groups = [FullAttentionSpec(16), MambaSpec(64)] + ([DraftAttentionSpec(16)] if k else [])
+    scenario = Scenario(
+        groups=tuple(groups), prompt_len=prompt_len, eagle=EagleMode(eagle) if k else EagleMode.OFF,
+        retention=retention, num_spec_tokens=k,
+    )
+    return simulate(scenario).resend.hit.hit_tokens
+
+
+@pytest.mark.parametrize("retention", ["latest", "dense", "128"])
+@pytest.mark.parametrize("k, eagle", MODES)
+def test_warm_equals_cold_and_matches_explain(tiny_model, k, eagle, retention):
+    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, retention=retention)
+    params = SamplingParams(max_tokens=6)
+    for n in LENGTHS:
+        prompt = make_prompt(n, seed=n)
+        (cold,) = engine.generate([prompt], params)
+        (warm,) = engine.generate([prompt], params)
+        assert cold.num_cached_tokens == 0
+        assert warm.token_ids == cold.token_ids, f"n={n}"
+        assert warm.num_cached_tokens == predicted_hit(n, k, eagle, retention), f"n={n}"
+        engine.cache.check_integrity()
+    assert not engine.has_unfinished()
+
+
+def test_prefix_cache_off_never_hits(tiny_model):
+    engine = make_engine(tiny_model, num_spec_tokens=0, enable_prefix_caching=False)
+    prompt = make_prompt(300, 3)
+    a, b = engine.generate([prompt, prompt], SamplingParams(max_tokens=4))
+    (c,) = engine.generate([prompt], SamplingParams(max_tokens=4))
+    assert a.num_cached_tokens == b.num_cached_tokens == c.num_cached_tokens == 0
+    assert a.token_ids == b.token_ids == c.token_ids
+
+
+@pytest.mark.parametrize("k, eagle", MODES)
+def test_second_chat_turn_hits_at_the_first_turns_final_boundary(tiny_model, k, eagle):
+    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
+    first = make_prompt(170, 11)
+    (turn1,) = engine.generate([first], SamplingParams(max_tokens=40, ignore_eos=True))
+    computed = len(first) + len(turn1.token_ids) - 1
+    final = computed // 64 * 64
+    second = first + list(turn1.token_ids) + make_prompt(30, 12)
+    (turn2,) = engine.generate([second], SamplingParams(max_tokens=8))
+    expected = final - 64 if (k and eagle == "drop") else final
+    assert final > 170 and turn2.num_cached_tokens == expected
+    (cold,) = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle).generate([second], SamplingParams(max_tokens=8))
+    assert turn2.token_ids == cold.token_ids
+
+
+def test_shared_system_prompt_junction(tiny_model):
+    engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless")
+    system = make_prompt(300, 21)
+    outs = [engine.generate([system + make_prompt(40, 30 + i)], SamplingParams(max_tokens=4))[0] for i in range(3)]
+    assert outs[0].num_cached_tokens == 0
+    assert outs[2].num_cached_tokens == 256  # the junction snapshot taken by the second request
+    fresh = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless")
+    (cold,) = fresh.generate([system + make_prompt(40, 32)], SamplingParams(max_tokens=4))
+    assert cold.token_ids == outs[2].token_ids
+
+
+def test_tenants_do_not_share_prefixes(tiny_model):
+    engine = make_engine(tiny_model, num_spec_tokens=0)
+    prompt = make_prompt(300, 5)
+    engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="a")
+    (other,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="b")
+    (same,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="a")
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 256
