@@ -53,7 +53,7 @@ class EngineCacheManager:
         eagle = config.eagle_mode if speculative else EagleMode.OFF
         self.coordinator = HybridCoordinator(self.layout, eagle)
         self.planner = CheckpointPlanner(self.coordinator, make_retention(config.retention, self.layout.alignment))
-        self.events = events if events is not None else EventSink()
+        self.events = events if events is not None else EventSink(enabled=False)  # no consumer: keep nothing
         self.pools = [BlockPool(num_kv_blocks, FULL, self.events), BlockPool(num_state_slots, MAMBA, self.events)]
         if speculative:
             self.pools.append(BlockPool(num_kv_blocks, DRAFT, self.events))
