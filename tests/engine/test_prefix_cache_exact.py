@@ -5,7 +5,7 @@ import pytest
 from cache_service.coordinator import EagleMode
 from cache_service.simulate import Scenario, simulate
 from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, MambaSpec
-from tests.engine.conftest import make_engine, make_prompt
+from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling import SamplingParams
 
 LENGTHS = [1, 17, 63, 64, 65, 130, 257, 400]
@@ -57,7 +57,8 @@ def test_second_chat_turn_hits_at_the_first_turns_final_boundary(tiny_model, k, 
     (turn2,) = engine.generate([second], SamplingParams(max_tokens=8))
     expected = final - 64 if (k and eagle == "drop") else final
     assert final > 170 and turn2.num_cached_tokens == expected
-    (cold,) = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle).generate([second], SamplingParams(max_tokens=8))
+    fresh = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
+    (cold,) = fresh.generate([second], SamplingParams(max_tokens=8))
     assert turn2.token_ids == cold.token_ids
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.engine.conftest import make_engine, make_prompt
+from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError, InvalidRequestError
 from workers.engine.sampling import SamplingParams

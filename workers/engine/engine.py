@@ -206,7 +206,7 @@ class LLMEngine:
             token = req.sampler.sample(self.model.compute_logits(rows[-1:])[0])
             req.first_token_s = time.perf_counter()
             tokens = self._emit(req, [token])
-        if not self._wants_drafts(req):
+        if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         # draft rows: positions [draft_start, end) whose next token is known now
         draft_start = req.num_draft_computed_tokens
@@ -219,7 +219,7 @@ class LLMEngine:
             hidden = hidden[: len(next_ids)]
         if not next_ids:
             return tokens, None
-        propose = end == req.num_prompt_tokens and req.status is not RequestStatus.FINISHED
+        propose = end == req.num_prompt_tokens
         return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
 
     def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
@@ -242,12 +242,11 @@ class LLMEngine:
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))
         tokens = self._emit(req, proposal)
-        if not self._wants_drafts(req) or not tokens:
+        if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
         hidden = rows[: len(next_ids)]
-        propose = req.status is not RequestStatus.FINISHED
-        return tokens, DraftInput(req, n, hidden, next_ids, propose)
+        return tokens, DraftInput(req, n, hidden, next_ids, True)
 
     def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
         """Keep the Mamba states at the last two alignment boundaries passed while decoding
