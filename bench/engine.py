@@ -29,6 +29,9 @@ def measure_ttft(model, prompt_len: int, repeats: int, eagle: str, k: int, max_m
     from workers.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1)
+    warmup = _engine(model, num_spec_tokens=k, eagle_mode=eagle, max_model_len=max_model_len,
+                     cache_memory_bytes=512 * 2**20)
+    warmup.generate([[r % model.config.vocab_size for r in range(prompt_len)]], params)  # one-time init costs
     cold, warm, hits, exact = [], [], [], True
     for r in range(repeats):
         engine = _engine(model, num_spec_tokens=k, eagle_mode=eagle, max_model_len=max_model_len,

@@ -1,8 +1,9 @@
 """`make demo`: what exists so far, end to end on this machine.
 
 Today: the cache core's answer to the seed bug (DESIGN.md section 1), as a table built by the
-same simulation `hybridserve explain` runs, and the lookup benchmark. Later issues grow this
-into the served model and the warm-vs-cold load test.
+same simulation `hybridserve explain` runs, the lookup benchmark, and the single-replica engine
+on the bundled tiny model (random weights): cold vs warm TTFT on an identical resend. Later
+issues grow this into the served cluster and the warm-vs-cold load test.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<52} {str(report['per_group_hits']):<28} {report['hit_tokens']:>6}")
     print("\nLookup benchmark (hash + reconciled lookup, 32K tokens, 4 groups):")
     print(json.dumps(measure(DEFAULT_GROUPS, 32_768, EagleMode.DROP, "latest", 100), indent=2))
+    print("\nEngine: identical 2,048-token resend on the tiny model (MTP k=3, lossless EAGLE):")
+    import tempfile
+
+    from bench.engine import measure_ttft
+    from workers.model.init_model import main as init_model
+    from workers.model.loader import load_model
+
+    with tempfile.TemporaryDirectory(prefix="hybridserve-demo-") as model_dir:
+        init_model(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
+        model = load_model(model_dir)
+        print(json.dumps(measure_ttft(model, 2048, 1, "lossless", 3, 4096), indent=2))
     return 0
 
 
