@@ -99,3 +99,21 @@ def test_generate_cli(tiny_dir, capsys):
     assert main(["--model", "/nonexistent", "--token-ids", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 3
+
+
+def test_abort_frees_everything_and_others_continue(tiny_model):
+    engine = make_engine(tiny_model, num_spec_tokens=3, chunk_size=64)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = engine.add_request(make_prompt(300, 1), params)
+    b = engine.add_request(make_prompt(50, 2), params)
+    engine.step()
+    assert engine.abort(a) and not engine.abort(a) and not engine.abort("nope")
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert outs[b].finished and len(outs[b].token_ids) == 10 and a not in outs
+    assert not engine.requests
+    full, mamba = engine.cache.pools[0], engine.cache.pools[1]
+    assert full.num_free_blocks == full.num_blocks - 1 and mamba.num_free_blocks == mamba.num_blocks - 1
+    engine.cache.check_integrity()

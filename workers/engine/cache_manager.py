@@ -84,7 +84,7 @@ class EngineCacheManager:
     def fits_at_all(self, req: Request) -> bool:
         blocks = self.num_kv_blocks_for(self.max_positions(req))
         slots = self.num_state_slots_per_request()
-        return blocks < self.pools[FULL].num_blocks and slots < self.pools[MAMBA].num_blocks
+        return blocks < self.pools[FULL].num_blocks and slots + 1 < self.pools[MAMBA].num_blocks
 
     # ---- admission ------------------------------------------------------------------------
     def lookup(self, req: Request) -> HitResult:

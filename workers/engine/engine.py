@@ -122,6 +122,7 @@ class LLMEngine:
         if req is None or req.status is RequestStatus.FINISHED:
             return False
         self._finish(req, FinishReason.ABORT)
+        self.requests.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -137,8 +138,6 @@ class LLMEngine:
                     done[out.request_id] = out
             if not self.has_unfinished() and len(done) < len(ids):
                 raise RuntimeError("engine stalled with unfinished requests")
-        for i in ids:
-            self.requests.pop(i, None)
         return [done[i] for i in ids]
 
     # ---- the step -------------------------------------------------------------------------
@@ -172,6 +171,8 @@ class LLMEngine:
             if req.status is not RequestStatus.FINISHED:
                 self.cache.publish(req)
             outputs.append(RequestOutput.of(req, new_tokens[req.request_id]))
+            if req.status is RequestStatus.FINISHED:
+                self.requests.pop(req.request_id, None)
         return outputs
 
     def _batch(self, scheduled: list[ScheduledChunk]) -> ForwardBatch:
