@@ -80,26 +80,33 @@ class HybridCoordinator:
         ]
 
     def find_longest_hit(
-        self, hashes: Sequence[BlockHash], num_prompt_tokens: int, lookup: CacheLookup
+        self, hashes: Sequence[BlockHash], num_prompt_tokens: int, lookup: CacheLookup, per_group: bool = True
     ) -> HitResult:
-        """The reconciled hit for a request whose prefix hashes are `hashes`."""
-        return self.reconcile(self.probes(hashes, num_prompt_tokens, lookup))
+        """The reconciled hit for a request whose prefix hashes are `hashes`. `per_group=False`
+        (routing) skips each group's own answer at the cap and leaves `per_group_hits` empty."""
+        return self.reconcile(self.probes(hashes, num_prompt_tokens, lookup), per_group)
 
-    def reconcile(self, probes: Sequence[GroupProbe]) -> HitResult:
+    def reconcile(self, probes: Sequence[GroupProbe], per_group: bool = True) -> HitResult:
         ctx = probes[0].ctx
         top = ctx.floor(ctx.cap)
-        per_group = tuple(p.longest_servable(top) for p in probes)
-        length = min(per_group)
-        trace = [top] if length == top else [top, length]
+        attention = [p.inner if isinstance(p, DroppingProbe) else p for p in probes if p.spec.is_attention]
+        match = min((p.longest_servable(top) for p in attention), default=0)
+        own = tuple(p.longest_servable(top) for p in probes) if per_group else ()
+        # attention groups first: their answers are cheap (memoised prefix matches) and bound the
+        # exact-position scans of the others
+        ordered = sorted(probes, key=lambda p: not p.spec.is_attention)
+        length, trace = top, [top]
         while length:
-            nxt = min(p.longest_servable(length) for p in probes)
+            nxt = length
+            for probe in ordered:
+                nxt = probe.longest_servable(nxt)
+                if not nxt:
+                    break
             if nxt == length:
                 break
             length = nxt
             trace.append(length)
-        attention = [p.inner if isinstance(p, DroppingProbe) else p for p in probes if p.spec.is_attention]
-        match = min((p.longest_servable(top) for p in attention), default=0)
-        return HitResult(length, per_group, match, tuple(trace))
+        return HitResult(length, own, match, tuple(trace))
 
     def reachable_hit_positions(self, match_lengths: Iterable[int]) -> tuple[int, ...]:
         """Where lookups land when the attention groups' raw match ends at each given length:

@@ -36,7 +36,7 @@ def test_verbose_says_why_each_group_stopped(capsys):
     assert len(report["explanation"]) == 5
     assert "EAGLE drop removes one alignment unit" in report["explanation"][0]
     assert "snapshots held at <= cap: [6912]" in report["explanation"][1]
-    assert "candidates 6912 -> 4608 -> 0" in err
+    assert "candidates 6912 -> 0" in err
 
 
 def test_extended_resend_and_draft_groups(capsys):

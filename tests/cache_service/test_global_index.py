@@ -1,0 +1,90 @@
+"""The global index mirrors replica pools through events; the router uses the same coordinator."""
+
+import pytest
+
+from cache_service import EagleMode, EventSink, HybridCoordinator, LocalPrefixCache, RequestBlockHashes
+from cache_service.global_index import GlobalIndex
+from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.router import NoReplicaError, Router, RoutingPolicy
+from cache_service.simulate import make_tokens, run_request
+from tests.cache_service.helpers import make_layout
+
+
+def make_replica(coord, name, sizes=(200, 200)):
+    return LocalPrefixCache(coord, list(sizes), EventSink(name))
+
+
+def test_index_view_gives_the_same_hit_as_the_local_pools():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.DROP)
+    planner = CheckpointPlanner(coord, make_retention("latest", 64))
+    replica = make_replica(coord, "r0", sizes=(60, 12))  # small: forces evictions
+    index = GlobalIndex(2)
+    prompts = [make_tokens(300 + 37 * i, i % 3, 50) for i in range(12)]
+    for tokens in prompts:
+        run_request(replica, planner, tokens, None, explain=False)
+        assert not index.apply("r0", replica.events.drain()).needs_resync
+    for tokens in prompts:
+        hashes = RequestBlockHashes(16, tokens)
+        local = coord.find_longest_hit(hashes.hashes, len(tokens), replica.lookup_view)
+        remote = coord.find_longest_hit(hashes.hashes, len(tokens), index.view("r0"))
+        assert local == remote
+    assert index.replicas["r0"].num_entries == [p.num_cached_blocks for p in replica.pools]
+
+
+def test_gap_marks_stale_until_resync_and_purge_forgets():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:16"))
+    replica = make_replica(coord, "r0")
+    index = GlobalIndex(2)
+    tokens = make_tokens(200, 1, 50)
+    hashes = RequestBlockHashes(16, tokens)
+    replica.store_prefix(hashes, 200, (192,))
+    events = replica.events.drain()
+    assert index.apply("r0", events[:3]).num_applied == 3
+    result = index.apply("r0", events[4:])  # event 3 lost
+    assert result.needs_resync and index.routable_replicas() == []
+    index.resync("r0", [p.cached.keys() for p in replica.pools], replica.events.next_seq)
+    assert index.routable_replicas() == ["r0"]
+    assert coord.find_longest_hit(hashes.hashes, 200, index.view("r0")).hit_tokens == 192
+    assert index.purge("r0") == 13 and index.num_entries == 0
+
+
+def test_hybrid_routes_to_the_mamba_holder_where_overlap_is_fooled():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.LOSSLESS)
+    index = GlobalIndex(2)
+    tokens = make_tokens(1000, 4, 50)
+    hashes = RequestBlockHashes(16, tokens)
+    a, b = make_replica(coord, "a", (100, 50)), make_replica(coord, "b", (100, 50))
+    a.store_prefix(hashes, 900, ())  # attention blocks through 896, no Mamba snapshot
+    b.store_prefix(hashes, 512, (512,))  # fewer attention blocks, but a snapshot at 512
+    for r in (a, b):
+        index.apply(r.events.replica_id, r.events.drain())
+    hybrid = Router(index, coord, RoutingPolicy.HYBRID).route(hashes.hashes, 1000, {"a": 0, "b": 0})
+    overlap = Router(index, coord, RoutingPolicy.ATTENTION_OVERLAP).route(hashes.hashes, 1000, {"a": 0, "b": 0})
+    assert (hybrid.replica_id, hybrid.expected_hit_tokens) == ("b", 512)
+    assert (overlap.replica_id, overlap.expected_hit_tokens) == ("a", 896)
+    # the overlap router's choice really hits 0 there
+    assert coord.find_longest_hit(hashes.hashes, 1000, index.view("a")).hit_tokens == 0
+    rr = Router(index, coord, RoutingPolicy.ROUND_ROBIN)
+    assert [rr.route(hashes.hashes, 1000).replica_id for _ in range(3)] == ["a", "b", "a"]
+    assert Router(index, coord, "random").route(hashes.hashes, 1000).replica_id in ("a", "b")
+
+
+def test_busy_holder_triggers_a_transfer_plan():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.LOSSLESS)
+    index = GlobalIndex(2)
+    tokens = make_tokens(1000, 4, 50)
+    hashes = RequestBlockHashes(16, tokens)
+    a = make_replica(coord, "a", (100, 50))
+    a.store_prefix(hashes, 1000, (960,))
+    index.apply("a", a.events.drain())
+    index.add_replica("b")
+    router = Router(index, coord, RoutingPolicy.HYBRID)
+    idle = router.route(hashes.hashes, 1000, {"a": 0, "b": 0})
+    assert idle.replica_id == "a" and idle.transfer is None
+    busy = router.route(hashes.hashes, 1000, {"a": 5000, "b": 0})
+    assert busy.replica_id == "b" and busy.transfer is not None
+    assert (busy.transfer.src_replica, busy.transfer.dst_replica, busy.transfer.num_tokens) == ("a", "b", 960)
+    index.purge("a")
+    index.purge("b")
+    with pytest.raises(NoReplicaError):
+        router.route(hashes.hashes, 1000)
