@@ -1,5 +1,4 @@
-"""`python -m bench.cluster`: routing decision latency (and, with the cluster issue, transfer
-throughput), as JSON.
+"""`python -m bench.cluster`: routing decision latency and state-transfer throughput, as JSON.
 
 Routing: an 8K-token prompt against a global index of 1M entries spread over 8 replicas, the
 engine's layout (full:16, mamba:64, draft:16), policy `hybrid`. The timed decision includes
@@ -61,8 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--model", help="checkpoint for the transfer benchmark (default: a fresh random tiny one)")
+    p.add_argument("--transfer-tokens", type=int, default=4096, help="0 skips the transfer benchmark")
     args = p.parse_args(argv)
     report = {"routing": measure_routing(args.entries, args.replicas, args.prompt_len, args.repeats)}
+    if args.transfer_tokens:
+        import tempfile
+
+        from bench.transfer import measure_transfer
+
+        model_dir = args.model
+        if model_dir is None:
+            from workers.model.init_model import main as init_main
+
+            model_dir = tempfile.mkdtemp(prefix="hybridserve-tiny-")
+            init_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
+        report["transfer"] = measure_transfer(model_dir, args.transfer_tokens)
     print(json.dumps(report, indent=2))
     return 0
 
