@@ -1,0 +1,147 @@
+"""One config tree of frozen dataclasses, loaded from YAML and validated on load.
+
+    ServeConfig
+      cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
+      http     HttpConfig      front-end bind address, port, optional API key
+      model    ModelSection    checkpoint dir, dtype, kernels
+      engine   EngineConfig    (workers.engine.config) scheduler, pools, speculation, retention
+      router   RouterSection   routing policy and cost weights
+
+Unknown keys, wrong types and bad values are one clear `ConfigError` naming the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from workers.engine.config import EngineConfig
+from workers.engine.errors import EngineConfigError
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ray_address: str | None = None  # None: start an embedded local cluster
+    node_ip_address: str = "127.0.0.1"
+    dashboard_host: str = "127.0.0.1"
+    num_replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 1
+    tp_size: int = 1
+    distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
+    num_gpus_per_rank: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.num_replicas <= self.max_replicas:
+            raise ConfigError("cluster: need 1 <= min_replicas <= num_replicas <= max_replicas")
+        if self.tp_size < 1:
+            raise ConfigError("cluster.tp_size must be >= 1")
+        if self.distributed_backend not in ("gloo", "nccl"):
+            raise ConfigError("cluster.distributed_backend must be gloo or nccl")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"http.port must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "configs/models/tiny-trained"
+    dtype: str = "float32"
+    init_config: str | None = None  # write a random checkpoint from this YAML if `path` is missing
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    policy: str = "hybrid"
+    prefill_cost_per_token: float = 1.0
+    load_cost_per_queued_token: float = 1.0
+    transfer_cost_per_token: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("hybrid", "attention_overlap", "round_robin", "random"):
+            choices = "hybrid, attention_overlap, round_robin or random"
+            raise ConfigError(f"router.policy must be {choices}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterSection = field(default_factory=RouterSection)
+
+
+def _check_type(path: str, value, annotation) -> None:
+    origin = typing.get_origin(annotation)
+    allowed = typing.get_args(annotation) if origin in (typing.Union, types.UnionType) else (annotation,)
+    kinds = tuple(float if a is float else a for a in allowed if isinstance(a, type))
+    if type(None) in allowed and value is None:
+        return
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if not kinds or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+        return
+    names = " or ".join(k.__name__ for k in kinds)
+    raise ConfigError(f"{path}: expected {names}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls, data, path: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{path + '.' if path else ''}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    values = {}
+    for name, value in data.items():
+        key = f"{path}.{name}" if path else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, key)
+        else:
+            if name != "eagle_mode":
+                _check_type(key, value, hint)
+            values[name] = value
+    try:
+        return cls(**values)
+    except (EngineConfigError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    return _build(ServeConfig, data, "")

@@ -1,0 +1,38 @@
+import pytest
+
+from cache_service.coordinator import EagleMode
+from cluster.config import ConfigError, load_config
+
+
+def test_shipped_configs_load():
+    local = load_config("configs/local.yaml")
+    assert local.cluster.ray_address is None and local.cluster.node_ip_address == "127.0.0.1"
+    assert local.http.host == "127.0.0.1" and local.engine.eagle_mode is EagleMode.LOSSLESS
+    dgx = load_config("configs/dgx.yaml")
+    assert dgx.cluster.tp_size == 4 and dgx.cluster.distributed_backend == "nccl" and dgx.engine.kernels == "cuda"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("engine:\n  max_model_lenn: 5\n", "engine.max_model_lenn: unknown key"),
+        ("http:\n  port: eighty\n", "http.port: expected int"),
+        ("cluster:\n  tp_size: 0\n", "tp_size must be >= 1"),
+        ("engine:\n  eagle_mode: sometimes\n", "eagle_mode must be"),
+        ("engine:\n  num_spec_tokens: true\n", "expected int"),
+        ("router:\n  policy: smart\n", "router.policy must be"),
+        ("cluster: [1, 2]\n", "cluster: expected a mapping"),
+        ("engine: {max_model_len: 8\n", "invalid YAML"),
+        ("bogus: 1\n", "bogus: unknown key"),
+    ],
+)
+def test_bad_configs_give_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(path)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/nope.yaml")
