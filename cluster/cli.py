@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("cache_service.explain", "simulate a cold request and a resend; print per-group hits as JSON"),
     "init-model": ("workers.model.init_model", "write a random-weight NemotronH-format checkpoint"),
+    "serve": ("cluster.serve", "serve the OpenAI-compatible API from a config (single replica for now)"),
     "generate": ("workers.generate", "run prompts through one engine (cold, then warm with --repeat 2)"),
 }
 
