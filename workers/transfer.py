@@ -22,7 +22,7 @@ import torch.distributed as dist
 import xxhash
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
-from workers.engine.cache_manager import DRAFT, FULL, MAMBA, EngineCacheManager  # noqa: F401
+from workers.engine.cache_manager import FULL, MAMBA, EngineCacheManager
 
 
 class TransferError(RuntimeError):
@@ -163,5 +163,4 @@ def recv_prefix(src: int, group=None) -> tuple[TransferHeader, torch.Tensor]:
     return TransferHeader.decode(raw.numpy().tobytes()), payload
 
 
-__all__ = ["TransferError", "TransferHeader", "export_prefix", "import_prefix", "recv_prefix", "send_prefix",
-           "DRAFT", "MAMBA"]
+__all__ = ["TransferError", "TransferHeader", "export_prefix", "import_prefix", "recv_prefix", "send_prefix"]
