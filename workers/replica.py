@@ -1,0 +1,80 @@
+"""A replica as a Ray actor: one engine (TP=1 for now) on its own loop thread, reporting cache
+events to the cache service.
+
+Messages across this boundary are small dicts/dataclasses (`GenerateMsg` in, `RequestOutput`
+fields out) so that Ray never pickles engine state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerateMsg:
+    prompt_token_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaLoadMsg:
+    replica_id: str
+    num_unfinished: int
+    extra: dict = field(default_factory=dict)
+
+
+class Replica:
+    """The actor body (wrapped with `ray.remote` by `cluster.ray_cluster`)."""
+
+    def __init__(self, replica_id: str, model_dir: str, engine_config) -> None:
+        import torch
+
+        from cache_service.events import EventSink
+        from workers.engine.engine import LLMEngine
+        from workers.engine_runner import EngineRunner
+
+        torch.set_num_threads(1)
+        self.replica_id = replica_id
+        self.events = EventSink(replica_id)
+        self.runner = EngineRunner(LLMEngine.from_checkpoint(model_dir, engine_config, events=self.events))
+
+    def generate(self, msg: GenerateMsg) -> dict:
+        from workers.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
+                                top_k=msg.top_k, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
+                                ignore_eos=msg.ignore_eos)
+        final = None
+        for out in self.runner.submit(msg.prompt_token_ids, params, msg.cache_salt, msg.request_id):
+            final = out
+        return asdict(final) | {"replica_id": self.replica_id}
+
+    def drain_events(self) -> tuple[str, list]:
+        return self.replica_id, self.events.drain()
+
+    def snapshot(self) -> tuple[list[list[bytes]], int]:
+        """All cached keys per group and the next event seq (a consistent resync point)."""
+        def take(engine):
+            return [list(p.cached) for p in engine.cache.pools], self.events.next_seq
+
+        return self.runner.call(take)
+
+    def load(self) -> ReplicaLoadMsg:
+        return ReplicaLoadMsg(self.replica_id, self.runner.num_unfinished)
+
+    def layout_groups(self) -> list[str]:
+        return self.runner.call(lambda e: e.cache.layout.describe())
+
+    def eagle_mode(self) -> str:
+        return self.runner.call(lambda e: e.cache.coordinator.eagle.value)
+
+    def model_fingerprint(self) -> str:
+        return self.runner.call(lambda e: e.config.model_fingerprint)
