@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 from ray.exceptions import RayActorError
 
 from cache_service.service import CacheService
-from workers.replica import GenerateMsg, Replica
+from workers.replica import GenerateMsg, TransferReplica
 
 log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_local_ray(num_cpus: int = 2) -> None:
@@ -32,9 +39,13 @@ def start_local_ray(num_cpus: int = 2) -> None:
 
 class ClusterClient:
     def __init__(self, model_dir: str, engine_config, num_replicas: int, policy: str = "hybrid") -> None:
-        replica_cls = ray.remote(num_cpus=0, max_restarts=0)(Replica)
+        replica_cls = ray.remote(num_cpus=0, max_restarts=0)(TransferReplica)
         self.replicas = {f"replica-{i}": replica_cls.remote(f"replica-{i}", model_dir, engine_config)
                          for i in range(num_replicas)}
+        self.ranks = {r: i for i, r in enumerate(self.replicas)}
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ray.get([a.init_transfer_group.remote(self.ranks[r], num_replicas, init) for r, a in self.replicas.items()])
+        self.num_transfers = self.num_transfer_failures = 0
         first = next(iter(self.replicas.values()))
         groups, eagle, fingerprint = ray.get([first.layout_groups.remote(), first.eagle_mode.remote(),
                                               first.model_fingerprint.remote()])
@@ -52,20 +63,45 @@ class ClusterClient:
                 contents, next_seq = ray.get(self.replicas[replica_id].snapshot.remote())
                 ray.get(self.service.resync.remote(replica_id, contents, next_seq))
 
-    def _pick(self, msg: GenerateMsg) -> tuple[str, int]:
+    def _decide(self, msg: GenerateMsg):
         queued = {r: 0 for r in self.replicas}
         try:
             self._sync()
-            decision = ray.get(self.service.route.remote(msg.prompt_token_ids, msg.cache_salt, queued), timeout=10)
-            return decision.replica_id, decision.expected_hit_tokens
+            return ray.get(self.service.route.remote(msg.prompt_token_ids, msg.cache_salt, queued), timeout=10)
         except (RayActorError, ray.exceptions.GetTimeoutError) as exc:  # cache service down: load only
             log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
-            self._rr += 1
-            return sorted(self.replicas)[self._rr % len(self.replicas)], 0
+            return None
+
+    def _transfer(self, msg: GenerateMsg, src: str, dst: str, num_tokens: int) -> bool:
+        """Move the prefix pages src -> dst; on any failure log why and recompute instead."""
+        try:
+            sent = self.replicas[src].send_prefix.remote(msg.prompt_token_ids, msg.cache_salt, num_tokens,
+                                                         self.ranks[dst])
+            received = self.replicas[dst].recv_prefix.remote(self.ranks[src])
+            ray.get([sent, received], timeout=120)
+            self.num_transfers += 1
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
+            log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
+            self.num_transfer_failures += 1
+            return False
 
     def generate(self, msg: GenerateMsg, replica_id: str | None = None) -> dict:
+        """Serve one request; `replica_id` forces the replica (the holder's pages are moved there)."""
         while self.replicas:
-            target = replica_id if replica_id in self.replicas else self._pick(msg)[0]
+            decision = self._decide(msg)
+            if decision is None:
+                self._rr += 1
+                by_load = sorted(self.replicas)[self._rr % len(self.replicas)]
+                target = replica_id if replica_id in self.replicas else by_load
+            else:
+                target = replica_id if replica_id in self.replicas else decision.replica_id
+                holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
+                here = next((e.hit_tokens for e in decision.estimates if e.replica_id == target), 0)
+                if decision.transfer is not None and decision.transfer.dst_replica == target:
+                    self._transfer(msg, decision.transfer.src_replica, target, decision.transfer.num_tokens)
+                elif holder is not None and holder.replica_id != target and holder.hit_tokens > here:
+                    self._transfer(msg, holder.replica_id, target, holder.hit_tokens)
             try:
                 return ray.get(self.replicas[target].generate.remote(msg))
             except RayActorError:

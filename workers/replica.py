@@ -78,3 +78,37 @@ class Replica:
 
     def model_fingerprint(self) -> str:
         return self.runner.call(lambda e: e.config.model_fingerprint)
+
+
+class TransferMixin:
+    """Rank-to-rank state-page transfer between replicas over a gloo/NCCL group."""
+
+    def init_transfer_group(self, rank: int, world_size: int, init_method: str, backend: str = "gloo") -> int:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        self.transfer_rank = rank
+        return rank
+
+    def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int, dst: int) -> int:
+        from cache_service.block_hash import RequestBlockHashes
+        from workers.transfer import export_prefix, send_prefix
+
+        def export(engine):
+            hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
+                                        model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
+            return export_prefix(engine.cache, hashes, num_tokens)
+
+        header, payload = self.runner.call(export)
+        send_prefix(header, payload, dst)
+        return payload.numel()
+
+    def recv_prefix(self, src: int) -> int:
+        from workers.transfer import import_prefix, recv_prefix
+
+        header, payload = recv_prefix(src)
+        return self.runner.call(lambda engine: import_prefix(engine.cache, header, payload))
+
+
+class TransferReplica(TransferMixin, Replica):
+    pass

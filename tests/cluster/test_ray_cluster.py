@@ -36,8 +36,9 @@ def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_se
         assert warm["replica_id"] == cold["replica_id"] and warm["num_cached_tokens"] == 576
         assert warm["token_ids"] == cold["token_ids"]
         other = next(r for r in client.replicas if r != cold["replica_id"])
-        forced = client.generate(msg, replica_id=other)  # no transfer wired yet: a cold run there
-        assert forced["token_ids"] == cold["token_ids"] and forced["num_cached_tokens"] == 0
+        forced = client.generate(msg, replica_id=other)  # the holder's pages move there first
+        assert forced["replica_id"] == other and client.num_transfers == 1
+        assert forced["token_ids"] == cold["token_ids"] and forced["num_cached_tokens"] == 576
         # kill the holder: the next request is retried on the survivor, nothing lost
         client.kill_replica(cold["replica_id"])
         again = client.generate(msg, replica_id=cold["replica_id"])
