@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("workers.model.init_model", "write a random-weight NemotronH-format checkpoint"),
     "serve": ("cluster.serve", "serve the OpenAI-compatible API from a config (single replica for now)"),
     "generate": ("workers.generate", "run prompts through one engine (cold, then warm with --repeat 2)"),
+    "train-tiny": ("workers.train.train_tiny", "train the tiny hybrid checkpoint shipped in configs/models"),
 }
 
 
