@@ -82,22 +82,12 @@ class EngineRunner:
             self._ids += 1
             rid = request_id or f"run-{self._ids}"
         stream = RequestStream(rid)
-        done = threading.Event()
-        failure: list[BaseException] = []
 
-        def add() -> None:
-            try:
-                self.engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt)
-                self._streams[rid] = stream
-            except BaseException as exc:  # reported to the caller, the loop goes on
-                failure.append(exc)
-            finally:
-                done.set()
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt)
+            self._streams[rid] = stream
 
-        self._inbox.put(add)
-        done.wait()
-        if failure:
-            raise failure[0]
+        self.call(add)
         return stream
 
     def abort(self, request_id: str) -> None:
