@@ -136,7 +136,26 @@ def _build(cls, data, path: str):
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def load_config(path: str | Path) -> ServeConfig:
+def _apply_override(data: dict, override: str) -> None:
+    """`a.b.c=VALUE` (VALUE parsed as YAML) set into the raw config mapping."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: invalid value: {exc}") from None
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a mapping")
+    node[leaf] = value
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
+    """Load and validate; `overrides` are `key.path=value` strings applied on top (e.g. `--set`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
@@ -144,4 +163,10 @@ def load_config(path: str | Path) -> ServeConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    for override in overrides:
+        _apply_override(data, override)
     return _build(ServeConfig, data, "")

@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hybridserve serve", description=__doc__)
     p.add_argument("--config", default="configs/local.yaml")
     p.add_argument("--port", type=int, default=None, help="override http.port")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one config value, e.g. --set router.policy=round_robin (repeatable)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, args.overrides)
         app, runner = build_app(config)
     except ConfigError as exc:
         print(f"hybridserve serve: error: {exc}", file=sys.stderr)
