@@ -1,8 +1,9 @@
 """Transfer throughput vs raw send/recv on the same gloo channel (two processes on loopback).
 
-Rank 0 serves a long prompt on a real engine, then sends its cached prefix pages
-(export + header + checksum + send) to rank 1, which receives, verifies and registers them
-(recv + checksum + import); a raw `dist.send` of the same byte count is the baseline.
+Rank 0 serves a long prompt on a real engine, then streams its cached prefix pages to rank 1
+(pin, gather chunk k+1 while chunk k is on the wire, trailer checksum), which receives, copies
+into its own pages, verifies and registers them; a raw send of the same byte count over the same
+`PairChannel` (the replicas' channel) is the baseline.
 """
 
 from __future__ import annotations
@@ -24,59 +25,67 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        import random
+    from workers.transfer_channel import PairChannel
 
-        from cache_service.block_hash import RequestBlockHashes
-        from workers.engine.config import EngineConfig
-        from workers.engine.engine import LLMEngine
-        from workers.engine.sampling import SamplingParams
-        from workers.transfer import export_prefix, import_prefix, recv_prefix, send_prefix
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+    channel = PairChannel("bench", rank, ("127.0.0.1", port), store=store)
+    import random
 
-        config = EngineConfig(kernels="torch", max_model_len=prompt_len + 64, cache_memory_bytes=512 * 2**20)
-        engine = LLMEngine.from_checkpoint(model_dir, config)
-        prompt = [random.Random(5).randrange(engine.vocab_size) for _ in range(prompt_len)]
-        hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt,
-                                    model_fingerprint=engine.config.model_fingerprint)
-        hit = (prompt_len - 1) // engine.cache.alignment * engine.cache.alignment
+    from cache_service.block_hash import RequestBlockHashes
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLMEngine
+    from workers.engine.sampling import SamplingParams
+    from workers.transfer import recv_prefix, send_prefix
+
+    config = EngineConfig(kernels="torch", max_model_len=prompt_len + 64, cache_memory_bytes=512 * 2**20)
+    engine = LLMEngine.from_checkpoint(model_dir, config)
+    prompt = [random.Random(5).randrange(engine.vocab_size) for _ in range(prompt_len)]
+    hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt,
+                                model_fingerprint=engine.config.model_fingerprint)
+    hit = (prompt_len - 1) // engine.cache.alignment * engine.cache.alignment
+    size = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        from workers.transfer import export_prefix
+
+        size[0] = export_prefix(engine.cache, hashes, hit)[1].numel()
+        channel.isend(size).wait()
+    else:
+        channel.irecv(size).wait()
+    payload = torch.ones(int(size), dtype=torch.uint8)
+    sync = torch.zeros(1)
+
+    def barrier() -> None:  # a round trip on the same channel
         if rank == 0:
-            engine.generate([prompt], SamplingParams(max_tokens=1))
-            header, payload = export_prefix(engine.cache, hashes, hit)
-            dist.send(torch.tensor([payload.numel()]), 1)
+            channel.isend(sync).wait()
+            channel.irecv(sync).wait()
         else:
-            size = torch.empty(1, dtype=torch.int64)
-            dist.recv(size, 0)
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        raw_s, transfer_s = [], []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(payload, 1)
-            else:
-                dist.recv(payload, 0)
-            raw_s.append(time.perf_counter() - t0)
-            if rank == 1:
-                for pool in engine.cache.pools:  # measure a full registration each time
-                    pool.reset_prefix_cache()
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                send_prefix(*export_prefix(engine.cache, hashes, hit), dst=1)
-            else:
-                header, received = recv_prefix(src=0)
-                import_prefix(engine.cache, header, received)
-            transfer_s.append(time.perf_counter() - t0)
+            channel.irecv(sync).wait()
+            channel.isend(sync).wait()
+
+    raw_s, transfer_s = [], []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        (channel.isend if rank == 0 else channel.irecv)(payload).wait()
+        raw_s.append(time.perf_counter() - t0)
         if rank == 1:
-            nbytes = payload.numel()
-            raw, tr = min(raw_s), min(transfer_s)
-            queue.put({"num_tokens": hit, "payload_mb": round(nbytes / 2**20, 2),
-                       "raw_send_recv_mb_s": round(nbytes / raw / 2**20, 1),
-                       "transfer_mb_s": round(nbytes / tr / 2**20, 1), "transfer_over_raw": round(raw / tr, 3),
-                       "target_ratio": 0.8})
-    finally:
-        dist.destroy_process_group()
+            for pool in engine.cache.pools:  # measure a full registration each time
+                pool.reset_prefix_cache()
+        barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            send_prefix(engine.cache, hashes, hit, channel)
+        else:
+            recv_prefix(engine.cache, channel)
+        transfer_s.append(time.perf_counter() - t0)
+    if rank == 1:
+        nbytes = payload.numel()
+        raw, tr = min(raw_s), min(transfer_s)
+        queue.put({"num_tokens": hit, "payload_mb": round(nbytes / 2**20, 2),
+                   "raw_send_recv_mb_s": round(nbytes / raw / 2**20, 1),
+                   "transfer_mb_s": round(nbytes / tr / 2**20, 1), "transfer_over_raw": round(raw / tr, 3),
+                   "target_ratio": 0.8})
 
 
 def measure_transfer(model_dir: str, prompt_len: int = 4096, repeats: int = 5) -> dict:

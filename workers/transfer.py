@@ -1,6 +1,7 @@
 """State-page transfer between replicas over torch.distributed (NCCL on GPU, gloo on CPU).
 
-A prefix of L tokens (L a multiple of the alignment) moves as one message, rank to rank:
+Two forms of the same content. In memory (`export_prefix` / `import_prefix`), a prefix of L
+tokens (L a multiple of the alignment) is one header + one payload:
 
     header   length-prefixed JSON (`TransferHeader`): model fingerprint, dtype, TP layout,
              block sizes, the prefix keys per group, payload size and xxh3-64 checksum
@@ -10,15 +11,17 @@ A prefix of L tokens (L a multiple of the alignment) moves as one message, rank 
 The receiver checks compatibility and the checksum, then registers the pages in its own pools
 under the same prefix keys; the request that follows is a normal local hit. Any failure raises
 `TransferError` with the reason, so the caller falls back to recompute and logs why.
+
+Over a channel (`send_prefix` / `recv_prefix`, see `workers.transfer_channel`) the payload is
+streamed in chunks, pipelined on both sides, with the checksum in a trailer (below).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
@@ -40,15 +43,17 @@ class TransferHeader:
     num_tokens: int
     keys: tuple[tuple[str, ...], ...]  # per group, hex prefix keys of the pages in payload order
     nbytes: int
-    checksum: str
+    checksum: str  # xxh3-64 of the payload ("trailer": sent after the streamed chunks)
+    chunks: tuple[int, ...] = ()  # streamed chunk sizes in bytes (empty for an in-memory payload)
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}).encode()  # no deep copy
 
     @classmethod
     def decode(cls, raw: bytes) -> TransferHeader:
         data = json.loads(raw)
         data["keys"] = tuple(tuple(k) for k in data["keys"])
+        data["chunks"] = tuple(data.get("chunks", ()))
         return cls(**data)
 
 
@@ -146,21 +151,231 @@ def import_prefix(
     return stored
 
 
-def send_prefix(header: TransferHeader, payload: torch.Tensor, dst: int, group=None) -> None:
-    raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([raw.numel(), payload.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(raw, dst, group=group)
-    dist.send(payload, dst, group=group)
+# ---- pipelined rank-to-rank transfer ------------------------------------------------------------
+#
+#   sender                                   receiver
+#   sizes, header (keys + chunk sizes)  ->   check compatibility, allocate the fresh pages
+#   chunk 0 | chunk 1 | ... (pages of one    receive chunk k+1 while copying chunk k into its
+#   cache tensor each, <= chunk_bytes)  ->   pages; checksum as they arrive
+#   trailer: xxh3-64 of all chunks      ->   match: register the pages; else free them, raise
+#
+# Chunks are runs of consecutive pages sent straight from the cache tensors (no gather) and, when
+# the destination pages are consecutive too, received straight into them. Every send and receive
+# is posted at once, so the wire never waits on Python; pages are pinned (ref-counted) on
+# the engine's loop thread for the duration, so eviction cannot recycle them mid-stream; copies
+# run off the loop thread, and the engine keeps serving.
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+_DIRECT = lambda fn: fn()  # noqa: E731 - run on this thread (no engine loop)
 
 
-def recv_prefix(src: int, group=None) -> tuple[TransferHeader, torch.Tensor]:
+def _runs(ids: list[int], limit: int) -> list[tuple[int, int]]:
+    """Split rows [0, len(ids)) where block ids stop being consecutive, at most `limit` rows each."""
+    runs, a = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1 or i - a >= limit:
+            runs.append((a, i))
+            a = i
+    return runs
+
+
+def _chunk_plan(cache: EngineCacheManager, ids: list[list[int]], chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+    """(group, tensor index, first row, end row) per chunk, in payload order. A chunk is a run of
+    consecutive source pages of one cache tensor, so it is sent straight from the cache (no gather)."""
+    plan = []
+    for group, group_ids in enumerate(ids):
+        for ti, t in enumerate(_group_tensors(cache, group)):
+            page_bytes = t[0].numel() * t.element_size()
+            limit = max(1, chunk_bytes // max(page_bytes, 1))
+            plan.extend((group, ti, a, b) for a, b in _runs(group_ids, limit))
+    return plan
+
+
+def _rows_view(t: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+    """`t[ids]` as a zero-copy byte view when `ids` are consecutive, else None."""
+    if t.is_contiguous() and ids and all(b == a + 1 for a, b in zip(ids, ids[1:])):
+        return t[ids[0] : ids[-1] + 1].view(-1).view(torch.uint8)
+    return None
+
+
+def _chunk_nbytes(cache: EngineCacheManager, plan) -> list[int]:
+    tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
+    return [(b - a) * tensors[g][ti][0].numel() * tensors[g][ti].element_size() for g, ti, a, b in plan]
+
+
+def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int) -> list[list[BlockHash]]:
+    size = cache.block_size
+    reach = [num_tokens + (cache.alignment if g in cache.coordinator.dropping_groups else 0)
+             for g in range(len(cache.pools))]
+    return [
+        [hashes.prefix_hash(num_tokens)] if g == MAMBA
+        else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
+        for g in range(len(cache.pools))
+    ]
+
+
+def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, channel,
+                on_loop=_DIRECT, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0) -> int:
+    """Stream the pages serving a `num_tokens` hit to the channel's peer. Returns payload bytes.
+
+    `on_loop(fn)` runs `fn()` where the engine may be touched (an `EngineRunner.call`)."""
+    if num_tokens <= 0 or num_tokens % cache.alignment:
+        raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
+
+    def pin():
+        wanted = _wanted_keys(cache, hashes, num_tokens)
+        blocks = []
+        for group, keys in enumerate(wanted):
+            found = [cache.pools[group].get_cached(k) for k in keys]
+            if any(b is None for b in found):
+                raise TransferError(f"group {group}: page for the {num_tokens}-token prefix is not cached")
+            blocks.append(found)
+        for group, found in enumerate(blocks):
+            cache.pools[group].touch(found)
+        return wanted, blocks
+
+    wanted, blocks = on_loop(pin)
+    try:
+        ids = [[b.block_id for b in found] for found in blocks]
+        plan = _chunk_plan(cache, ids, chunk_bytes)
+        sizes = _chunk_nbytes(cache, plan)
+        dtype = str(next(iter(cache.caches.kv.values()))[0].dtype)
+        header = TransferHeader(
+            cache.config.model_fingerprint, dtype, tp_size, tp_rank, cache.block_size,
+            cache.config.mamba_block_size, num_tokens, tuple(tuple(k.hex() for k in keys) for keys in wanted),
+            sum(sizes), "trailer", tuple(sizes),
+        )
+        raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+        channel.isend(torch.tensor([raw.numel(), header.nbytes], dtype=torch.int64)).wait()
+        channel.isend(raw).wait()
+        tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
+        digest = xxhash.xxh3_64()
+        in_flight: list = []
+        for group, ti, a, b in plan:
+            t, rows = tensors[group][ti], ids[group][a:b]
+            chunk = _rows_view(t, rows)  # runs are consecutive by construction: no gather
+            if chunk is None:
+                chunk = t.index_select(0, torch.tensor(rows, dtype=torch.long)).view(-1).view(torch.uint8)
+            digest.update(memoryview(chunk.numpy()))
+            in_flight.append(channel.isend(chunk))  # all posted at once: the wire never waits on us
+        for work in in_flight:
+            work.wait()
+        trailer = torch.frombuffer(bytearray(digest.hexdigest().encode()), dtype=torch.uint8)
+        channel.isend(trailer).wait()
+        return header.nbytes
+    finally:
+        on_loop(lambda: [cache.pools[g].free(found) for g, found in enumerate(blocks)])
+
+
+def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: int = 1, tp_rank: int = 0) -> int:
+    """Receive a streamed prefix and register its pages. Returns pages stored; `TransferError` if refused
+    (the whole stream is still drained, so the channel stays usable)."""
     sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group)
+    channel.irecv(sizes).wait()
     raw = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    dist.recv(raw, src, group=group)
-    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    dist.recv(payload, src, group=group)
-    return TransferHeader.decode(raw.numpy().tobytes()), payload
+    channel.irecv(raw).wait()
+    header = TransferHeader.decode(raw.numpy().tobytes())
+
+    def prepare():
+        expect = {
+            "model_fingerprint": cache.config.model_fingerprint, "tp_size": tp_size, "tp_rank": tp_rank,
+            "kv_block_size": cache.block_size, "mamba_block_size": cache.config.mamba_block_size,
+            "dtype": str(next(iter(cache.caches.kv.values()))[0].dtype),
+        }
+        for name, value in expect.items():
+            if getattr(header, name) != value:
+                return f"incompatible transfer: {name} is {getattr(header, name)!r}, here {value!r}"
+        if len(header.keys) != len(cache.pools):
+            return f"incompatible transfer: {len(header.keys)} groups, here {len(cache.pools)}"
+        plan = _plan_from_sizes(cache, [len(k) for k in header.keys], header.chunks)
+        if plan is None:
+            return "transfer chunk sizes do not match this replica's pages"
+        fresh = [[i for i, k in enumerate(keys) if bytes.fromhex(k) not in cache.pools[g].cached]
+                 for g, keys in enumerate(header.keys)]
+        if not all(cache.pools[g].can_allocate(len(rows)) for g, rows in enumerate(fresh)):
+            return "no room in the destination pools"
+        pages = [cache.pools[g].allocate(len(rows)) for g, rows in enumerate(fresh)]
+        return plan, fresh, pages
+
+    prepared = on_loop(prepare)
+    error = prepared if isinstance(prepared, str) else None
+    plan = fresh = pages = None
+    if error is None:
+        plan, fresh, pages = prepared
+    tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
+    dst_of = []  # per group: page row -> destination block id (fresh rows only)
+    if error is None:
+        dst_of = [dict(zip(rows, (p.block_id for p in pg))) for rows, pg in zip(fresh, pages)]
+    digest = xxhash.xxh3_64()
+
+    def target(k: int, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """Where chunk k lands: straight into its destination pages if possible, else a buffer."""
+        if error is None:
+            group, ti, a, b = plan[k]
+            dst = [dst_of[group].get(i) for i in range(a, b)]
+            if None not in dst:
+                view = _rows_view(tensors[group][ti], dst)
+                if view is not None:
+                    return view, True
+        return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def absorb(k: int, buf: torch.Tensor, in_place: bool) -> None:
+        digest.update(memoryview(buf.numpy()))
+        if error is not None or in_place:
+            return
+        group, ti, a, b = plan[k]
+        t = tensors[group][ti]
+        rows = [i for i in range(a, b) if i in dst_of[group]]
+        if rows:
+            data = buf.view(t.dtype).view(b - a, *t.shape[1:])
+            src = torch.tensor([i - a for i in rows], dtype=torch.long)
+            dst = torch.tensor([dst_of[group][i] for i in rows], dtype=torch.long)
+            t.index_copy_(0, dst, data.index_select(0, src))
+
+    posted = []  # every receive posted up front; chunk k is absorbed while k+1.. are arriving
+    for k, nbytes in enumerate(header.chunks):
+        buf, in_place = target(k, nbytes)
+        posted.append((k, buf, in_place, channel.irecv(buf)))
+    for k, buf, in_place, work in posted:
+        work.wait()
+        absorb(k, buf, in_place)
+    trailer = torch.empty(16, dtype=torch.uint8)
+    channel.irecv(trailer).wait()
+    if error is None and trailer.numpy().tobytes().decode() != digest.hexdigest():
+        error = "transfer payload failed its checksum"
+
+    def finish() -> int:
+        stored = 0
+        for group, pg in enumerate(pages or []):
+            if error is None:
+                for row, page in zip(fresh[group], pg):
+                    cache.pools[group].cache_block(page, BlockHash(bytes.fromhex(header.keys[group][row])))
+                stored += len(pg)
+            cache.pools[group].free(pg)
+        return stored
+
+    stored = on_loop(finish)
+    if error is not None:
+        raise TransferError(error)
+    return stored
+
+
+def _plan_from_sizes(cache: EngineCacheManager, counts: list[int], chunks: tuple[int, ...]):
+    """Recover the sender's chunk plan (rows per chunk) from its chunk sizes."""
+    plan, k = [], 0
+    for group, count in enumerate(counts):
+        for ti, t in enumerate(_group_tensors(cache, group)):
+            page_bytes = t[0].numel() * t.element_size()
+            a = 0
+            while a < count:
+                if k >= len(chunks) or chunks[k] % page_bytes:
+                    return None
+                b = a + chunks[k] // page_bytes
+                plan.append((group, ti, a, b))
+                a, k = b, k + 1
+            if a != count:
+                return None
+    return plan if k == len(chunks) else None
 
 
 __all__ = ["TransferError", "TransferHeader", "export_prefix", "import_prefix", "recv_prefix", "send_prefix"]

@@ -12,6 +12,7 @@ from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling import SamplingParams
 from workers.transfer import TransferError, export_prefix, import_prefix, recv_prefix, send_prefix
+from workers.transfer_channel import WorldChannel
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -63,7 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, model_dir, queue):
+def _worker(rank, port, model_dir, queue, chunk_bytes):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -75,11 +76,12 @@ def _worker(rank, port, model_dir, queue):
         prompt = make_prompt(600, 8)
         if rank == 0:
             (cold,) = engine.generate([prompt], PARAMS)
-            send_prefix(*export_prefix(engine.cache, _hashes(engine, prompt), 576), dst=1)
+            send_prefix(engine.cache, _hashes(engine, prompt), 576, WorldChannel(1), chunk_bytes=chunk_bytes)
             queue.put(("src", list(cold.token_ids), cold.num_cached_tokens))
         else:
-            header, payload = recv_prefix(src=0)
-            import_prefix(engine.cache, header, payload)
+            stored = recv_prefix(engine.cache, WorldChannel(0))
+            assert stored > 0
+            engine.cache.check_integrity()
             (warm,) = engine.generate([prompt], PARAMS)
             queue.put(("dst", list(warm.token_ids), warm.num_cached_tokens))
     finally:
@@ -87,12 +89,13 @@ def _worker(rank, port, model_dir, queue):
 
 
 @pytest.mark.timeout(180)
-def test_rank_to_rank_over_gloo_on_loopback(tiny_dir):
+@pytest.mark.parametrize("chunk_bytes", [4 * 2**20, 3000])  # one chunk per tensor; many small chunks
+def test_rank_to_rank_over_gloo_on_loopback(tiny_dir, chunk_bytes):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [ctx.Process(target=_worker, args=(r, port, tiny_dir, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, tiny_dir, queue, chunk_bytes)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict((name, (tokens, hit)) for name, tokens, hit in (queue.get(timeout=150) for _ in range(2)))
@@ -101,3 +104,82 @@ def test_rank_to_rank_over_gloo_on_loopback(tiny_dir):
         assert p.exitcode == 0
     assert results["src"][1] == 0 and results["dst"][1] == 576
     assert results["dst"][0] == results["src"][0]
+
+
+class _ThreadChannel:
+    """In-process pair of queues standing in for a gloo pair (unit isolation of the stream logic);
+    `corrupt` flips a byte of the n-th tensor sent."""
+
+    def __init__(self, outbox, inbox, corrupt: int | None = None) -> None:
+        self.outbox, self.inbox, self.corrupt, self.sent = outbox, inbox, corrupt, 0
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def isend(self, tensor):
+        data = tensor.clone()
+        if self.sent == self.corrupt:
+            data.view(torch.uint8)[0] ^= 0xFF
+        self.sent += 1
+        self.outbox.put(data)
+        return self._Done()
+
+    def irecv(self, tensor):
+        chan = self
+
+        class _Pending:
+            def wait(self):
+                tensor.copy_(chan.inbox.get(timeout=30))
+                return True
+
+        return _Pending()
+
+
+def _pair(corrupt=None):
+    import queue
+
+    a, b = queue.Queue(), queue.Queue()
+    return _ThreadChannel(a, b, corrupt), _ThreadChannel(b, a)
+
+
+@pytest.mark.parametrize("eagle", ["drop", "lossless"])
+def test_streamed_transfer_refuses_corruption_and_the_channel_stays_usable(tiny_model, eagle):
+    import threading
+
+    src, dst = (make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle) for _ in range(2))
+    prompt = make_prompt(500, 11)
+    (cold,) = src.generate([prompt], PARAMS)
+    hit = 448 if eagle == "lossless" else 384
+    for corrupt, expect in ((3, "checksum"), (None, None)):  # chunk #1 corrupted, then a clean resend
+        send_end, recv_end = _pair(corrupt)
+        sender = threading.Thread(target=send_prefix, args=(src.cache, _hashes(src, prompt), hit, send_end),
+                                  kwargs={"chunk_bytes": 5000})
+        sender.start()
+        if expect:
+            with pytest.raises(TransferError, match=expect):
+                recv_prefix(dst.cache, recv_end)
+            assert all(p.num_cached_blocks == 0 for p in dst.cache.pools)  # nothing half-registered
+        else:
+            assert recv_prefix(dst.cache, recv_end) > 0
+        sender.join(timeout=30)
+        dst.cache.check_integrity()
+        src.cache.check_integrity()  # the sender's pins were released
+    (warm,) = dst.generate([prompt], PARAMS)
+    assert warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
+
+
+def test_streamed_transfer_to_an_incompatible_replica_is_refused_after_draining(tiny_model):
+    import threading
+
+    src = make_engine(tiny_model, num_spec_tokens=0)
+    other = make_engine(tiny_model, num_spec_tokens=0, kv_block_size=32)
+    prompt = make_prompt(300, 12)
+    src.generate([prompt], PARAMS)
+    send_end, recv_end = _pair()
+    sender = threading.Thread(target=send_prefix, args=(src.cache, _hashes(src, prompt), 256, send_end))
+    sender.start()
+    with pytest.raises(TransferError, match="kv_block_size"):
+        recv_prefix(other.cache, recv_end)
+    sender.join(timeout=30)
+    assert not sender.is_alive() and recv_end.inbox.empty()  # every chunk was drained

@@ -1,0 +1,103 @@
+"""Point-to-point channels for state-page transfer: a 2-rank torch.distributed group per
+(sender, receiver) pair, so replicas can join and leave (autoscaling) without re-forming a
+cluster-wide world.
+
+    PairChannel   its own `ProcessGroupGloo` (CPU) or NCCL group over a `TCPStore` hosted by
+                  the sender; rank 0 sends, rank 1 receives. The store namespace includes a
+                  cluster secret, so only processes given that secret by the controller meet.
+    WorldChannel  the default process group (`dist.init_process_group`), peer by rank; used by
+                  two-process tests and benchmarks.
+
+Both expose `isend(tensor)` / `irecv(tensor)` returning a work handle with `.wait()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Channel(Protocol):
+    def isend(self, tensor: torch.Tensor) -> Work: ...
+
+    def irecv(self, tensor: torch.Tensor) -> Work: ...
+
+
+class WorldChannel:
+    """Send to / receive from `peer` in the default process group."""
+
+    def __init__(self, peer: int, group=None) -> None:
+        self.peer = peer
+        self.group = group
+
+    def isend(self, tensor: torch.Tensor) -> Work:
+        return dist.isend(tensor, self.peer, group=self.group)
+
+    def irecv(self, tensor: torch.Tensor) -> Work:
+        return dist.irecv(tensor, self.peer, group=self.group)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class StoreHost:
+    """The sender side's rendezvous store (one per replica process, hosted lazily)."""
+
+    def __init__(self, host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.host = host
+        self.port = free_port(host)
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+class PairChannel:
+    """A 2-rank group named `name` over the store at `endpoint` (rank 0 = sender)."""
+
+    def __init__(self, name: str, rank: int, endpoint: tuple[str, int], *, secret: str = "",
+                 backend: str = "gloo", store: dist.Store | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if rank not in (0, 1):
+            raise ValueError(f"a pair channel has ranks 0 and 1, got {rank}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"hybridserve/{secret}/{name}", store)
+        self.name, self.rank, self.backend = name, rank, backend
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        else:
+            raise ValueError(f"transfer backend must be gloo or nccl, got {backend!r}")
+        self._tag = 0
+
+    @property
+    def peer(self) -> int:
+        return 1 - self.rank
+
+    def isend(self, tensor: torch.Tensor) -> Work:
+        return self.pg.send([tensor], self.peer, 0)
+
+    def irecv(self, tensor: torch.Tensor) -> Work:
+        return self.pg.recv([tensor], self.peer, 0)
+
+
+__all__ = ["Channel", "PairChannel", "StoreHost", "WorldChannel", "free_port"]
