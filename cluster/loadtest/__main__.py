@@ -1,0 +1,128 @@
+"""`hybridserve loadtest [WORKLOAD ...]` (also `python -m cluster.loadtest`).
+
+    hybridserve loadtest resend tenants                    # spawn a server from --config, run two workloads
+    hybridserve loadtest chat --url http://127.0.0.1:8000  # drive a running server
+    hybridserve loadtest resend --compare                  # one server per policy / EAGLE / retention variant
+
+Writes OUT/records.parquet (one row per request), OUT/loadtest.png, OUT/summary.json and prints a
+table (with --compare, also ratios against the baseline variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import uuid
+from pathlib import Path
+
+from cluster.loadtest.client import LoadTestResult, ServerUnreachableError, run_workload
+from cluster.loadtest.compare import AXES, format_ratios, make_variants, run_compare
+from cluster.loadtest.outputs import write_parquet, write_plot
+from cluster.loadtest.report import format_summaries, summarize
+from cluster.loadtest.server import ServerStartError, spawn_server
+from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = WorkloadConfig()
+    p = argparse.ArgumentParser(prog="hybridserve loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workloads", nargs="*", default=["resend"], metavar="WORKLOAD",
+                   help=f"one or more of {', '.join(WORKLOADS)} (default: resend)")
+    target = p.add_argument_group("server")
+    target.add_argument("--url", help="drive this running server instead of spawning one")
+    target.add_argument("--api-key", help="bearer token for --url")
+    target.add_argument("--config", default="configs/local.yaml", help="config of spawned servers")
+    target.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override for spawned servers, e.g. --set engine.max_model_len=4096 (repeatable)")
+    target.add_argument("--compare", action="store_true",
+                        help="spawn one server per variant (router policies, EAGLE drop/lossless, retention "
+                             "latest/interval) and print ratios against the config's own setting")
+    target.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES), help="variants for --compare")
+    target.add_argument("--interval", type=int, default=128, help="retention interval (tokens) for --compare")
+    size = p.add_argument_group("workload size")
+    size.add_argument("--num-prompts", type=int, default=d.num_prompts, help="resend: distinct prompts")
+    size.add_argument("--prompt-len", type=int, default=d.prompt_len,
+                      help="tokens of a resend prompt / first chat turn / tenant system prompt")
+    size.add_argument("--question-len", type=int, default=d.question_len,
+                      help="tokens of a tenant question / later chat message")
+    size.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    size.add_argument("--concurrency", type=int, default=d.concurrency)
+    size.add_argument("--sessions", type=int, default=d.sessions, help="chat sessions")
+    size.add_argument("--turns", type=int, default=d.turns, help="chat turns per session")
+    size.add_argument("--tenants", type=int, default=d.tenants)
+    size.add_argument("--questions-per-tenant", type=int, default=d.questions_per_tenant)
+    size.add_argument("--rate", type=float, default=None,
+                      help="open loop: requests/s with Poisson arrivals (mixed defaults to 4)")
+    size.add_argument("--seed", type=int, default=d.seed)
+    size.add_argument("--salt", default=None,
+                      help="cache_salt prefix (default: fresh per run, so cold stays cold on a reused server)")
+    size.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request timeout (s)")
+    p.add_argument("--out", default="out/loadtest", help="output directory (default: out/loadtest, git-ignored)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOADS)})")
+    salt = args.salt if args.salt is not None else uuid.uuid4().hex[:8]
+    return [WorkloadConfig(
+        workload=name, num_prompts=args.num_prompts, prompt_len=args.prompt_len, question_len=args.question_len,
+        max_tokens=args.max_tokens, concurrency=args.concurrency, sessions=args.sessions, turns=args.turns,
+        tenants=args.tenants, questions_per_tenant=args.questions_per_tenant, rate=args.rate, seed=args.seed,
+        salt=f"{salt}-{name}-" if salt else "", timeout_s=args.timeout,
+    ) for name in dict.fromkeys(args.workloads)]
+
+
+def write_outputs(results: list[LoadTestResult], out: Path) -> dict[str, Path]:
+    summaries = [summarize(r) for r in results]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"records": write_parquet(results, out / "records.parquet"),
+             "plot": write_plot(results, summaries, out / "loadtest.png"), "summary": out / "summary.json"}
+    rows = [{**dataclasses.asdict(s), "warm_cold_ratio": s.warm_cold_ratio,
+             "config": dataclasses.asdict(r.config)} for s, r in zip(summaries, results)]
+    paths["summary"].write_text(json.dumps(rows, indent=2) + "\n")
+    return paths
+
+
+def _run(args: argparse.Namespace, configs: list[WorkloadConfig], out: Path) -> list[LoadTestResult]:
+    show = not args.no_progress
+    if args.url:
+        return [run_workload(args.url, c, api_key=args.api_key, variant="server", show_progress=show)
+                for c in configs]
+    if args.compare:
+        variants = make_variants(args.config, tuple(args.overrides), tuple(args.axes), args.interval)
+        print("variants: " + ", ".join(v.name for v in variants), file=sys.stderr)
+        return run_compare(args.config, variants, configs, log_dir=out, show_progress=show)
+    variant = make_variants(args.config, tuple(args.overrides), ())[0]
+    with spawn_server(args.config, variant.overrides, log_path=out / "server.log") as server:
+        return [run_workload(server.url, c, variant=variant.name, show_progress=show) for c in configs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.url and args.compare:
+        print("hybridserve loadtest: error: --compare spawns its own servers; drop --url", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    try:
+        configs = workload_configs(args)
+        results = _run(args, configs, out)
+    except (ServerUnreachableError, ServerStartError, ValueError) as exc:
+        print(f"hybridserve loadtest: error: {exc}", file=sys.stderr)
+        return 2
+    paths = write_outputs(results, out)
+    print(format_summaries([summarize(r) for r in results]))
+    if args.compare:
+        print("\nratios against the baseline (first) variant:")
+        print(format_ratios(results))
+    print("\n" + "  ".join(f"{k}: {v}" for k, v in paths.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Drives a server with a `Workload` over HTTP: streaming `/v1/completions`, bounded concurrency.
+
+TTFT is the time from sending the request to the first SSE chunk that carries a token. A request
+never raises: HTTP errors, transport errors and broken streams become a `RequestRecord` whose
+`status` says what happened (`"200"`, `"503"`, `"timeout"`, `"connect_error"`, ...). Only an
+unreachable server at the start raises `ServerUnreachableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from cluster.loadtest.progress import Progress
+from cluster.loadtest.prometheus import MetricsDelta, scrape_metrics
+from cluster.loadtest.workloads import RequestSpec, Workload, WorkloadConfig, build_workload
+
+
+class ServerUnreachableError(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; times are seconds, `start_s` from the run's start."""
+
+    index: int
+    source: str
+    phase: str
+    group: str
+    turn: int
+    num_prompt_tokens: int
+    max_tokens: int
+    cache_salt: str | None
+    status: str = "pending"
+    error: str | None = None
+    start_s: float | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "200"
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        if not self.ok or self.ttft_s is None or self.latency_s is None or not self.completion_tokens:
+            return None
+        return (self.latency_s - self.ttft_s) / max(self.completion_tokens - 1, 1)
+
+
+@dataclass
+class LoadTestResult:
+    workload: str
+    variant: str
+    config: WorkloadConfig
+    records: list[RequestRecord]
+    wall_s: float
+    metrics: MetricsDelta | None  # server-side counters over the run; None if /metrics was unavailable
+
+    @property
+    def summary(self):
+        from cluster.loadtest.report import summarize
+
+        return summarize(self)
+
+
+def check_server(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> None:
+    """Raises `ServerUnreachableError` unless GET /health answers 200."""
+    try:
+        r = httpx.get(f"{url}/health", timeout=timeout_s, headers=_headers(api_key))
+    except httpx.TransportError as exc:
+        raise ServerUnreachableError(f"no server at {url}: {type(exc).__name__}: {exc or 'connection failed'}; "
+                                     "start one with `hybridserve serve` or omit --url to spawn one") from None
+    if r.status_code != 200:
+        raise ServerUnreachableError(f"{url}/health answered {r.status_code}: {r.text[:200]}")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _record_for(spec: RequestSpec, num_prompt_tokens: int) -> RequestRecord:
+    return RequestRecord(spec.index, spec.source, spec.phase, spec.group, spec.turn, num_prompt_tokens,
+                         spec.max_tokens, spec.cache_salt)
+
+
+async def _send(client: httpx.AsyncClient, body: dict, rec: RequestRecord, t_run: float) -> None:
+    t0 = time.perf_counter()
+    rec.start_s = t0 - t_run
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                rec.status, rec.error = str(r.status_code), text[:300]
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # the server failed mid-stream and said why
+                    error = chunk["error"]
+                    rec.status = "stream_error"
+                    rec.error = str(error.get("message", error) if isinstance(error, dict) else error)[:300]
+                    return
+                tokens = chunk["choices"][0].get("token_ids") or []
+                if rec.ttft_s is None and (tokens or chunk["choices"][0].get("finish_reason")):
+                    rec.ttft_s = time.perf_counter() - t0
+                rec.output_token_ids += tokens
+                usage = chunk.get("usage")
+                if usage:
+                    rec.completion_tokens = usage.get("completion_tokens")
+                    rec.usage_prompt_tokens = usage.get("prompt_tokens")
+                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        rec.latency_s = time.perf_counter() - t0
+        if rec.completion_tokens is None:
+            rec.status, rec.error = "stream_error", "stream ended without a usage chunk"
+        else:
+            rec.status = "200"
+    except httpx.TimeoutException as exc:
+        rec.status, rec.error = "timeout", f"{type(exc).__name__}: {exc}"
+    except httpx.ConnectError as exc:
+        rec.status, rec.error = "connect_error", str(exc)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as exc:
+        rec.status, rec.error = "stream_error", f"{type(exc).__name__}: {exc}"
+
+
+async def _run_specs(url: str, workload: Workload, config: WorkloadConfig, api_key: str | None,
+                     progress: Progress) -> list[RequestRecord]:
+    specs = workload.specs
+    done = {s.index: asyncio.Event() for s in specs}
+    records: dict[int, RequestRecord] = {}
+    limit = asyncio.Semaphore(config.concurrency)
+    t_run = time.perf_counter()
+    timeout = httpx.Timeout(config.timeout_s, connect=10.0)
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+
+    async with httpx.AsyncClient(base_url=url, headers=_headers(api_key), timeout=timeout, limits=limits) as client:
+
+        async def one(spec: RequestSpec) -> None:
+            for dep in spec.after:
+                await done[dep].wait()
+            broken = _broken_chain(spec, specs, records)
+            prompt = list(spec.prompt) if broken is not None else _resolved_prompt(spec, specs, records)
+            rec = records[spec.index] = _record_for(spec, len(prompt))
+            if broken is not None:  # a chat turn cannot be built without the previous turn's response
+                rec.status, rec.error = "skipped", f"extends failed request {broken}"
+            else:
+                if spec.arrival_s is not None:
+                    await asyncio.sleep(max(0.0, t_run + spec.arrival_s - time.perf_counter()))
+                body = {"prompt": prompt, "max_tokens": spec.max_tokens, "temperature": 0, "stream": True,
+                        "ignore_eos": True}
+                if spec.cache_salt:
+                    body["cache_salt"] = spec.cache_salt
+                async with limit:
+                    await _send(client, body, rec, t_run)
+            progress.update(rec.ok)
+            done[spec.index].set()
+
+        await asyncio.gather(*(one(s) for s in specs))
+    return [records[s.index] for s in specs]
+
+
+def _broken_chain(spec: RequestSpec, specs: tuple[RequestSpec, ...], records: dict[int, RequestRecord]) -> int | None:
+    """The first request up `spec`'s `extends` chain that did not succeed, if any."""
+    cur = spec.extends
+    while cur is not None:
+        if not records[cur].ok:
+            return cur
+        cur = specs[cur].extends
+    return None
+
+
+def _resolved_prompt(spec: RequestSpec, specs: tuple[RequestSpec, ...], records: dict[int, RequestRecord]) -> list[int]:
+    """A chat turn: the previous turn's full prompt + its response + this turn's message."""
+    chain: list[RequestSpec] = []
+    cur: RequestSpec | None = spec
+    while cur is not None:
+        chain.append(cur)
+        cur = specs[cur.extends] if cur.extends is not None else None
+    prompt: list[int] = []
+    for s in reversed(chain):
+        prompt += list(s.prompt)
+        if s is not spec:
+            prompt += records[s.index].output_token_ids
+    return prompt
+
+
+def run_workload(url: str, config: WorkloadConfig, *, api_key: str | None = None, variant: str = "server",
+                 show_progress: bool = True, workload: Workload | None = None) -> LoadTestResult:
+    """Runs `config`'s workload (or a prebuilt `workload`, with `config`'s concurrency and timeout)
+    against the server at `url`, e.g. http://127.0.0.1:8000."""
+    url = url.rstrip("/")
+    check_server(url, api_key)
+    if config.salt is None:
+        config = config.replace(salt=f"{uuid.uuid4().hex[:8]}-{config.workload}-")
+    workload = workload or build_workload(config)
+    before = scrape_metrics(url)
+    progress = Progress(f"{variant}/{workload.name}", workload.num_requests, enabled=show_progress)
+    t0 = time.perf_counter()
+    records = asyncio.run(_run_specs(url, workload, config, api_key, progress))
+    wall_s = time.perf_counter() - t0
+    progress.close()
+    after = scrape_metrics(url)
+    delta = after - before if before is not None and after is not None else None
+    return LoadTestResult(workload.name, variant, config, records, wall_s, delta)
