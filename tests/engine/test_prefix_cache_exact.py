@@ -80,3 +80,20 @@ def test_tenants_do_not_share_prefixes(tiny_model):
     (other,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="b")
     (same,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="a")
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 256
+
+
+@pytest.mark.parametrize("eagle", ["drop", "lossless"])
+def test_admission_never_evicts_the_pages_it_restores_from(tiny_model, eagle):
+    """Regression: admission allocated the request's state slots (evicting LRU free pages) before
+    fetching the hit's Mamba page, so a hit page first in the LRU queue was recycled mid-admission."""
+    engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle)
+    prompt = make_prompt(500, 31)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    (cold,) = engine.generate([prompt], params)
+    for group in (1, 2):  # the hit's Mamba page and (lossless) draft block: next in line for eviction
+        pool = engine.cache.pools[group]
+        for block in [b for b in pool.cached.values() if b.ref_cnt == 0]:
+            pool._free.move_to_end(block.block_id, last=False)
+    (warm,) = engine.generate([prompt], params)
+    assert warm.num_cached_tokens > 0 and warm.token_ids == cold.token_ids
+    engine.cache.check_integrity()

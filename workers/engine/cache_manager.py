@@ -113,23 +113,35 @@ class EngineCacheManager:
             if not draft.can_allocate(need_draft):
                 return False
         mamba = self.pools[MAMBA]
-        if not mamba.can_allocate(self.num_state_slots_per_request() + 1):  # +1 keeps room for a snapshot
+        page = mamba.get_cached(req.hashes.prefix_hash(length)) if length else None
+        pinned = 1 if page is not None and page.ref_cnt == 0 else 0  # pinning it takes it off the free queue
+        if not mamba.can_allocate(self.num_state_slots_per_request() + 1 + pinned):  # +1: room for a snapshot
             return False
-        # act: nothing below can fail
+        draft_src = None
+        if self.speculative and len(draft_hit) < num_hit_blocks:  # lossless: the block holding L-1
+            draft_src = self.pools[DRAFT].get_cached(req.hashes.prefix_hash(length))
+            if draft_src.ref_cnt == 0 and not self.pools[DRAFT].can_allocate(need_draft + 1):
+                return False
+        # act: nothing below can fail. The hit's pages are pinned before any allocation, which
+        # may evict free cached pages, so the pages being restored from are never recycled.
         full.touch(hit_blocks)
+        if page is not None:
+            mamba.touch([page])
+        if draft_src is not None:
+            self.pools[DRAFT].touch([draft_src])
         req.kv_blocks = hit_blocks + full.allocate(total - num_hit_blocks)
         slots = mamba.allocate(self.num_state_slots_per_request())
         req.state_slot, req.final_slots, req.verify_slots = slots[0], slots[1:3], slots[3:]
-        if length:
-            page = mamba.get_cached(req.hashes.prefix_hash(length))
+        if page is not None:
             self.caches.copy_state(page.block_id, req.state_slot.block_id)
+            mamba.free([page])
         if self.speculative:
             draft = self.pools[DRAFT]
             draft.touch(draft_hit)
             req.draft_blocks = draft_hit + draft.allocate(total - len(draft_hit))
-            if len(draft_hit) < num_hit_blocks:  # lossless: private copy of the block holding L-1
-                src = draft.get_cached(req.hashes.prefix_hash(length))
-                self._copy_draft_block(src.block_id, req.draft_blocks[num_hit_blocks - 1].block_id)
+            if draft_src is not None:  # lossless: private copy of the block holding L-1
+                self._copy_draft_block(draft_src.block_id, req.draft_blocks[num_hit_blocks - 1].block_id)
+                draft.free([draft_src])
         req.num_cached_tokens = req.num_computed_tokens = length
         req.num_draft_computed_tokens = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_published = [num_hit_blocks, 0, len(draft_hit)]
