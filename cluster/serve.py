@@ -39,13 +39,16 @@ def resolve_model_dir(config: ServeConfig) -> str:
 
 def build_app(config: ServeConfig):
     from cluster.frontend import create_app
+    from cluster.tokenizer import load_tokenizer
     from workers.engine.engine import LLMEngine
     from workers.engine_runner import EngineRunner
 
     model_dir = resolve_model_dir(config)
     engine = LLMEngine.from_checkpoint(model_dir, config.engine)
     runner = EngineRunner(engine)
-    return create_app(runner, Path(model_dir).name, api_key=config.http.api_key), runner
+    app = create_app(runner, Path(model_dir).name, api_key=config.http.api_key, tokenizer=load_tokenizer(model_dir),
+                     max_body_bytes=config.http.max_body_bytes)
+    return app, runner
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,9 @@
 The engine is single-threaded by design; every call into it goes through the runner's inbox
 and is executed between steps, so callers on other threads (the HTTP server, a Ray actor's
 methods) never race the step loop. A failed step fails the requests it held with the error,
-instead of killing the loop silently.
+instead of killing the loop silently. At most `max_queued` requests are in flight (waiting or
+running); `submit` beyond that raises `ServerOverloadedError` (HTTP 429) instead of queueing
+without bound.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from workers.engine.engine import LLMEngine
+from workers.engine.errors import ServerOverloadedError
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
 
@@ -61,8 +64,11 @@ class RequestStream:
 
 
 class EngineRunner:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_queued: int = 256) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
+        self.max_queued = max_queued
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
@@ -75,15 +81,22 @@ class EngineRunner:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None) -> RequestStream:
-        """Validate and enqueue; raises `InvalidRequestError` at once for bad input."""
+        """Validate and enqueue; raises `InvalidRequestError` at once for bad input and
+        `ServerOverloadedError` when `max_queued` requests are already in flight."""
         with self._lock:
             self._ids += 1
             rid = request_id or f"run-{self._ids}"
         stream = RequestStream(rid)
 
         def add(engine: LLMEngine) -> None:
+            if len(self._streams) >= self.max_queued:  # checked on the loop thread: no race
+                raise ServerOverloadedError(f"{len(self._streams)} requests in flight (max_queued)", 1.0)
             engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt)
             self._streams[rid] = stream
 
@@ -91,6 +104,8 @@ class EngineRunner:
         return stream
 
     def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client went away); its stream ends with a plain `StreamEnd`."""
+
         def drop() -> None:
             if self.engine.abort(request_id):
                 stream = self._streams.pop(request_id, None)

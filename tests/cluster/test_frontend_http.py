@@ -1,5 +1,6 @@
 """The OpenAI-compatible front end, for real: uvicorn on 127.0.0.1, httpx as the client."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -20,10 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    runner = EngineRunner(make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless"))
-    app = create_app(runner, "tiny", api_key="sekret")
+@contextlib.contextmanager
+def serve_app(app):
+    """Runs `app` under a real uvicorn on 127.0.0.1; yields its base URL."""
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -32,9 +32,18 @@ def server(tiny_model):
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     assert srv.started
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    runner = EngineRunner(make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless"))
+    with serve_app(create_app(runner, "tiny", api_key="sekret")) as url:
+        yield url
     runner.shutdown()
 
 

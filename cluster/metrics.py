@@ -1,0 +1,87 @@
+"""Prometheus metrics of the front end, on a registry of its own (served at `/metrics`).
+
+The front end records finished requests (`record`), per-token latencies (`observe_itl`) and every
+HTTP response (`record_response`). A cluster backend reports its own events through
+`record_route` and `record_transfer`; it receives this object via `backend.attach_metrics(m)`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("hybridserve_requests", "finished requests by finish reason "
+                                "(stop, length, abort, error, disconnect)", ["status"], registry=r)
+        self.responses = Counter("hybridserve_http_responses", "HTTP responses by route and status code",
+                                 ["route", "code"], registry=r)
+        self.prompt_tokens = Counter("hybridserve_prompt_tokens", "prompt tokens", registry=r)
+        self.cache_queries = Counter("hybridserve_prefix_cache_queries", "requests that looked up the prefix cache",
+                                     registry=r)
+        self.cache_hits = Counter("hybridserve_prefix_cache_hits", "requests with a prefix-cache hit", registry=r)
+        self.cache_query_tokens = Counter("hybridserve_prefix_cache_query_tokens", "prompt tokens looked up",
+                                          registry=r)
+        self.cached_tokens = Counter("hybridserve_prefix_cache_hit_tokens", "prompt tokens served from cache",
+                                     registry=r)
+        self.group_cached_tokens = Counter("hybridserve_prefix_cache_group_hit_tokens",
+                                           "hit tokens per cache group (when the backend reports them)",
+                                           ["group"], registry=r)
+        self.generated = Counter("hybridserve_generation_tokens", "generated tokens", registry=r)
+        self.drafts = Counter("hybridserve_spec_decode_draft_tokens", "draft tokens", ["outcome"], registry=r)
+        self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "TTFT", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("hybridserve_inter_token_latency_seconds", "time per output token after the first",
+                             registry=r, buckets=ITL_BUCKETS)
+        self.e2e = Histogram("hybridserve_request_latency_seconds", "end-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.num_unfinished = Gauge("hybridserve_num_unfinished_requests", "requests in the backend", registry=r)
+        self.routes = Counter("hybridserve_routing_decisions", "router decisions", ["policy", "replica"],
+                              registry=r)
+        self.transfers = Counter("hybridserve_transfers", "cache transfers", ["outcome"], registry=r)
+        self.transfer_bytes = Counter("hybridserve_transfer_bytes", "bytes moved by cache transfers", registry=r)
+        self.transfer_seconds = Histogram("hybridserve_transfer_seconds", "cache transfer duration", registry=r,
+                                          buckets=LATENCY_BUCKETS)
+
+    def record(self, out, latency_s: float | None = None) -> None:
+        """A finished `RequestOutput`."""
+        self.requests.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.cache_queries.inc()
+        self.cache_query_tokens.inc(out.num_prompt_tokens)
+        self.cache_hits.inc(1 if out.num_cached_tokens else 0)
+        self.cached_tokens.inc(out.num_cached_tokens)
+        for group, n in (getattr(out, "num_cached_tokens_by_group", None) or {}).items():
+            self.group_cached_tokens.labels(str(group)).inc(n)
+        self.generated.inc(len(out.token_ids))
+        self.drafts.labels("accepted").inc(out.num_draft_accepted)
+        self.drafts.labels("rejected").inc(out.num_draft_proposed - out.num_draft_accepted)
+        if out.ttft_s is not None:
+            self.ttft.observe(out.ttft_s)
+        if latency_s is not None:
+            self.e2e.observe(latency_s)
+
+    def record_failure(self, status: str) -> None:
+        """A request that ended without a finished output: `error` or `disconnect`."""
+        self.requests.labels(status).inc()
+
+    def observe_itl(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` arrived `seconds` after the previous ones (several at once with speculation)."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def record_response(self, route: str, code: int) -> None:
+        self.responses.labels(route, str(code)).inc()
+
+    def record_route(self, policy: str, decision: str) -> None:
+        """The router sent a request to replica `decision` under `policy`."""
+        self.routes.labels(policy, str(decision)).inc()
+
+    def record_transfer(self, ok: bool, seconds: float, num_bytes: int) -> None:
+        self.transfers.labels("ok" if ok else "failed").inc()
+        self.transfer_seconds.observe(seconds)
+        self.transfer_bytes.inc(num_bytes)
