@@ -1,5 +1,9 @@
-"""A replica as a Ray actor: one engine (TP=1 for now) on its own loop thread, reporting cache
-events to the cache service.
+"""A replica as a Ray actor: one engine on its own loop thread, streaming each request's outputs
+back, reporting cache events, and moving prefix pages to / from its peers.
+
+The actor is threaded (`max_concurrency`), so many requests stream at once and a transfer or an
+event drain never waits behind a request; every touch of the engine goes through its
+`EngineRunner`, which serialises it with the step loop.
 
 Messages across this boundary are small dicts/dataclasses (`GenerateMsg` in, `RequestOutput`
 fields out) so that Ray never pickles engine state.
@@ -7,7 +11,13 @@ fields out) so that Ray never pickles engine state.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,18 @@ class GenerateMsg:
     cache_salt: str | None = None
     request_id: str | None = None
 
+    @classmethod
+    def of(cls, prompt_token_ids, params, cache_salt: str | None = None, request_id: str | None = None):
+        return cls(list(prompt_token_ids), params.max_tokens, params.temperature, params.top_p, params.top_k,
+                   params.seed, tuple(params.stop_token_ids), params.ignore_eos, cache_salt, request_id)
+
+    def sampling_params(self):
+        from workers.engine.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+
 
 @dataclass(frozen=True)
 class ReplicaLoadMsg:
@@ -32,31 +54,42 @@ class ReplicaLoadMsg:
 
 
 class Replica:
-    """The actor body (wrapped with `ray.remote` by `cluster.ray_cluster`)."""
+    """The actor body (wrapped with `ray.remote` by `cluster.cluster_backend`)."""
 
-    def __init__(self, replica_id: str, model_dir: str, engine_config) -> None:
+    def __init__(self, replica_id: str, model_dir: str, engine_config, tp_size: int = 1,
+                 backend: str = "gloo") -> None:
         import torch
 
         from cache_service.events import EventSink
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(int(os.environ.get("HYBRIDSERVE_TORCH_THREADS", "1")))
         self.replica_id = replica_id
+        self.tp_size = tp_size
         self.events = EventSink(replica_id)
-        self.runner = EngineRunner(LLMEngine.from_checkpoint(model_dir, engine_config, events=self.events))
+        if tp_size > 1:
+            from workers.model.tensor_parallel import create_tp_engine
+
+            engine = create_tp_engine(model_dir, engine_config, tp_size, backend=backend, events=self.events)
+        else:
+            engine = LLMEngine.from_checkpoint(model_dir, engine_config, events=self.events)
+        self.runner = EngineRunner(engine)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate_stream(self, msg: GenerateMsg) -> Iterator[dict]:
+        """A Ray streaming generator: every output (prefill chunks, tokens, the finished one)."""
+        for out in self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt, msg.request_id):
+            yield asdict(out)
 
     def generate(self, msg: GenerateMsg) -> dict:
-        from workers.engine.sampling import SamplingParams
+        *_, final = self.generate_stream(msg)
+        return final | {"replica_id": self.replica_id}
 
-        params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p,
-                                top_k=msg.top_k, seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids),
-                                ignore_eos=msg.ignore_eos)
-        final = None
-        for out in self.runner.submit(msg.prompt_token_ids, params, msg.cache_salt, msg.request_id):
-            final = out
-        return asdict(final) | {"replica_id": self.replica_id}
+    def abort(self, request_id: str) -> None:
+        self.runner.abort(request_id)
 
+    # ---- cache state --------------------------------------------------------------------------
     def drain_events(self) -> tuple[str, list]:
         return self.replica_id, self.events.drain()
 
@@ -67,8 +100,23 @@ class Replica:
 
         return self.runner.call(take)
 
+    # ---- facts --------------------------------------------------------------------------------
     def load(self) -> ReplicaLoadMsg:
         return ReplicaLoadMsg(self.replica_id, self.runner.num_unfinished)
+
+    def describe(self) -> dict:
+        """What the controller needs once: layout, EAGLE mode, fingerprint, limits, placement."""
+        import ray
+
+        def facts(engine):
+            return {"groups": engine.cache.layout.describe(), "eagle": engine.cache.coordinator.eagle.value,
+                    "fingerprint": engine.config.model_fingerprint, "vocab_size": engine.vocab_size,
+                    "max_model_len": engine.config.max_model_len, "alignment": engine.cache.alignment}
+
+        info = self.runner.call(facts)
+        ctx = ray.get_runtime_context()
+        return info | {"replica_id": self.replica_id, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                       "node_ip": ray.util.get_node_ip_address(), "tp_size": self.tp_size}
 
     def layout_groups(self) -> list[str]:
         return self.runner.call(lambda e: e.cache.layout.describe())
@@ -79,35 +127,88 @@ class Replica:
     def model_fingerprint(self) -> str:
         return self.runner.call(lambda e: e.config.model_fingerprint)
 
+    def ping(self) -> str:
+        return self.replica_id
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
 
 class TransferMixin:
-    """Rank-to-rank state-page transfer between replicas over a gloo/NCCL group."""
+    """Rank-to-rank state-page transfer between replicas, one pair channel per (sender, receiver).
 
-    def init_transfer_group(self, rank: int, world_size: int, init_method: str, backend: str = "gloo") -> int:
-        import torch.distributed as dist
+    The sender hosts the rendezvous store; the controller hands its endpoint to the receiver.
+    The store namespace carries the cluster secret given at start-up, so only this cluster's
+    replicas meet on it."""
 
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-        self.transfer_rank = rank
-        return rank
+    _transfer_secret = ""
 
-    def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int, dst: int) -> int:
+    def set_transfer_secret(self, secret: str) -> None:
+        self._transfer_secret = secret
+
+    def _transfer_state(self):
+        if not hasattr(self, "_channels"):
+            self._channels: dict[str, object] = {}
+            self._channel_lock = threading.Lock()
+            self._store_host = None
+        return self._channels
+
+    def channel_endpoint(self) -> tuple[str, int]:
+        """Host this replica's rendezvous store (once) and return its (ip, port)."""
+        import ray
+
+        from workers.transfer_channel import StoreHost
+
+        self._transfer_state()
+        with self._channel_lock:
+            if self._store_host is None:
+                ip = ray.util.get_node_ip_address()
+                if ip.startswith("127."):
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                self._store_host = StoreHost(ip)
+            return self._store_host.endpoint
+
+    def _channel(self, name: str, rank: int, endpoint: tuple[str, int] | None):
+        from workers.transfer_channel import PairChannel
+
+        channels = self._transfer_state()
+        if name not in channels:
+            if endpoint is None:
+                endpoint = self.channel_endpoint()
+                store = self._store_host.store
+            else:
+                store = None
+                if endpoint[0].startswith("127."):
+                    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            channels[name] = PairChannel(name, rank, endpoint, secret=self._transfer_secret, store=store,
+                                         backend=getattr(self, "transfer_backend", "gloo"))
+        return channels[name]
+
+    def drop_channel(self, peer_id: str) -> None:
+        """Forget channels with `peer_id` (after a failed transfer or the peer's death)."""
+        channels = self._transfer_state()
+        for name in [n for n in channels if peer_id in n.split("->")]:
+            channels.pop(name, None)
+
+    def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int,
+                    peer_id: str) -> int:
         from cache_service.block_hash import RequestBlockHashes
-        from workers.transfer import export_prefix, send_prefix
+        from workers.transfer import send_prefix
 
-        def export(engine):
-            hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
-                                        model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
-            return export_prefix(engine.cache, hashes, num_tokens)
+        engine = self.runner.engine
+        hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
+                                    model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
+        channel = self._channel(f"{self.replica_id}->{peer_id}", 0, None)
+        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop)
 
-        header, payload = self.runner.call(export)
-        send_prefix(header, payload, dst)
-        return payload.numel()
+    def _on_loop(self, fn):
+        return self.runner.call(lambda _engine: fn())
 
-    def recv_prefix(self, src: int) -> int:
-        from workers.transfer import import_prefix, recv_prefix
+    def recv_prefix(self, peer_id: str, endpoint: tuple[str, int]) -> int:
+        from workers.transfer import recv_prefix
 
-        header, payload = recv_prefix(src)
-        return self.runner.call(lambda engine: import_prefix(engine.cache, header, payload))
+        channel = self._channel(f"{peer_id}->{self.replica_id}", 1, tuple(endpoint))
+        return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop)
 
 
 class TransferReplica(TransferMixin, Replica):

@@ -1,14 +1,19 @@
-"""Real Ray on loopback: two replica actors, the cache-service actor, routing by hybrid hits."""
+"""Real Ray on loopback: replica actors + the cache-service actor behind `ClusterBackend`:
+routing by hybrid hits, transfers, replica death, cache-service death and rebuild."""
 
 import os
+import threading
 
 import pytest
 
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
-from workers.replica import GenerateMsg
+from workers.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
 
 
 @pytest.fixture(scope="module")
@@ -23,28 +28,77 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_session, tiny_dir):
-    from cluster.ray_cluster import ClusterClient
+def _backend(tiny_dir, **kw):
+    from cluster.cluster_backend import BackendConfig, ClusterBackend
 
-    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-    client = ClusterClient(tiny_dir, config, num_replicas=2)
+    return ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2, **kw))
+
+
+def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_session, tiny_dir):
+    backend = _backend(tiny_dir)
     try:
-        msg = GenerateMsg(make_prompt(600, 1), max_tokens=6, ignore_eos=True)
-        cold = client.generate(msg)
-        warm = client.generate(msg)
-        assert cold["num_cached_tokens"] == 0
-        assert warm["replica_id"] == cold["replica_id"] and warm["num_cached_tokens"] == 576
-        assert warm["token_ids"] == cold["token_ids"]
-        other = next(r for r in client.replicas if r != cold["replica_id"])
-        forced = client.generate(msg, replica_id=other)  # the holder's pages move there first
-        assert forced["replica_id"] == other and client.num_transfers == 1
-        assert forced["token_ids"] == cold["token_ids"] and forced["num_cached_tokens"] == 576
-        # kill the holder: the next request is retried on the survivor, nothing lost
-        client.kill_replica(cold["replica_id"])
-        again = client.generate(msg, replica_id=cold["replica_id"])
-        assert again["replica_id"] == other and again["token_ids"] == cold["token_ids"]
-        assert again["num_cached_tokens"] == 576 and client.num_retries == 1
-        stats = ray_session.get(client.service.stats.remote())
-        assert list(stats["replicas"]) == [other]
+        prompt = make_prompt(600, 1)
+        cold, holder = backend.generate(prompt, PARAMS)
+        warm, again = backend.generate(prompt, PARAMS)
+        assert cold.num_cached_tokens == 0
+        assert again == holder and warm.num_cached_tokens == 576
+        assert warm.token_ids == cold.token_ids
+        other = next(r for r in backend.replica_ids if r != holder)
+        forced, served = backend.generate(prompt, PARAMS, replica_id=other)  # the holder's pages move first
+        assert served == other and backend.counters["transfers"] == 1
+        assert forced.token_ids == cold.token_ids and forced.num_cached_tokens == 576
+        # kill the holder: the next request (forced there) is served by the survivor, nothing lost
+        backend.kill_replica(holder)
+        last, served = backend.generate(prompt, PARAMS, replica_id=holder)
+        assert served == other and last.token_ids == cold.token_ids and last.num_cached_tokens == 576
+        assert backend.replica_ids == [other]
+        assert list(backend.service_stats()["replicas"]) == [other]  # the dead replica was purged
     finally:
-        client.shutdown()
+        backend.shutdown()
+
+
+def test_replica_killed_under_load_loses_no_request_and_outputs_match(ray_session, tiny_dir):
+    backend = _backend(tiny_dir)
+    try:
+        prompts = [make_prompt(300 + 40 * i, 20 + i) for i in range(6)]
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        cold = [backend.generate(p, params)[0].token_ids for p in prompts]
+        streams = [backend.submit(p, params) for p in prompts]
+        victim = backend.replica_ids[0]
+        killer = threading.Timer(0.3, backend.kill_replica, args=(victim,))
+        killer.start()
+        outs = [list(s) for s in streams]  # every accepted request completes
+        killer.join()
+        for out, expect in zip(outs, cold):
+            assert out[-1].finished and out[-1].token_ids == expect
+            streamed = [t for o in out for t in o.new_token_ids]
+            assert streamed == list(expect)  # no token twice, none missing, across the retry
+        assert victim not in backend.replica_ids
+        assert backend.counters["replica_deaths"] == 1 and backend.counters["retries"] >= 1  # killed mid-stream
+    finally:
+        backend.shutdown()
+
+
+def test_cache_service_death_routes_by_load_then_rebuilds_from_replicas(ray_session, tiny_dir):
+    backend = _backend(tiny_dir)
+    try:
+        prompt = make_prompt(600, 3)
+        cold, holder = backend.generate(prompt, PARAMS)
+        epoch = backend.service_stats()["epoch"]
+        backend.kill_cache_service()
+        during, _ = backend.generate(make_prompt(200, 4), PARAMS)  # served while the service restarts
+        assert during.finished
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # Ray restarts it; the next routing resyncs every replica
+            warm, served = backend.generate(prompt, PARAMS)
+            if backend.counters["service_resyncs"] >= 2 and served == holder:
+                break
+            time.sleep(0.5)
+        stats = backend.service_stats()
+        assert stats["epoch"] != epoch  # a restarted service...
+        assert sorted(stats["replicas"]) == backend.replica_ids  # ...rebuilt from the live replicas
+        assert served == holder and warm.num_cached_tokens == 576 and warm.token_ids == cold.token_ids
+    finally:
+        backend.shutdown()
