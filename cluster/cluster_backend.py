@@ -151,7 +151,9 @@ class ClusterBackend:
 
     def kill_replica(self, replica_id: str) -> None:
         """Fault injection: kill the actor without telling anyone (the death is discovered)."""
-        ray.kill(self.replicas[replica_id].actor, no_restart=True)
+        rep = self.replicas.get(replica_id)
+        if rep is not None:
+            ray.kill(rep.actor, no_restart=True)
 
     def kill_cache_service(self) -> None:
         """Fault injection: kill the cache service; Ray restarts it (empty), we rebuild its index."""
@@ -162,6 +164,8 @@ class ClusterBackend:
             rep = self.replicas.pop(replica_id, None)
         if rep is None:
             return
+        if reason != "removed":
+            self.counters["replica_deaths"] += 1
         log.warning("replica %s %s: purging it from the index", replica_id, reason)
         try:
             ray.get(self.service.remove_replica.remote(replica_id), timeout=SERVICE_TIMEOUT_S)
@@ -251,7 +255,6 @@ class ClusterBackend:
                     if self._stream_from(job, target, delivered):
                         return
                 except (RayActorError, _StreamBroken) as exc:
-                    self.counters["replica_deaths"] += 1
                     self._forget(target, reason=f"died ({type(exc).__name__})")
                     if delivered and job.msg.temperature > 0 and job.msg.seed is None:
                         job.stream.put(StreamEnd(ReplicaFailedError(
