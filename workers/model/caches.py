@@ -6,7 +6,7 @@
     draft_kv[mtp_layer] (k, v) [num_draft_blocks, draft_block_size, n_kv_heads, head_dim]
 
 Block ids and slot ids are owned by the engine's cache manager; this module only allocates, copies and
-sizes pages. Shapes are per tensor-parallel rank (heads / channels split; tp_size=1 today).
+sizes pages. Shapes are per tensor-parallel rank (heads / channels split, see tp_shard.py).
 """
 
 from __future__ import annotations

@@ -49,3 +49,8 @@ class KernelUnavailableError(ModelError, RuntimeError):
 
 class ForwardBatchError(ModelError, ValueError):
     """A ForwardBatch is inconsistent with itself or with the caches (lengths, block tables, slots)."""
+
+
+class TensorParallelError(ConfigError):
+    """A tensor-parallel layout cannot be built: heads / groups / channels not divisible by tp_size,
+    a bad backend or init_method."""

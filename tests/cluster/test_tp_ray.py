@@ -1,0 +1,45 @@
+"""A TP=2 replica through real Ray on loopback: rank 1 is a `TPWorker` actor, gloo between them."""
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import make_engine
+from tests.model.tp_helpers import TRAINED, code_prompts
+from workers.engine.config import EngineConfig
+from workers.engine.sampling import SamplingParams
+from workers.model.loader import load_model
+from workers.tp_worker import create_tp_engine
+
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    import ray
+
+    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_tp2_ray_replica_greedy_equals_tp1_and_warm_hit_equals_cold(ray_session):
+    torch.set_num_threads(1)
+    prompts = code_prompts()
+    ref = make_engine(load_model(TRAINED, kernels="torch"), num_spec_tokens=3).generate(prompts, PARAMS)
+    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=96 * 2**20, num_spec_tokens=3)
+    engine = create_tp_engine(str(TRAINED), config, 2, ray_actor_options={"num_cpus": 1})
+    try:
+        assert engine.model.tp_size == 2 and engine.speculative
+        cold = engine.generate(prompts, PARAMS)
+        assert [o.token_ids for o in cold] == [o.token_ids for o in ref]
+        assert [o.num_draft_accepted for o in cold] == [o.num_draft_accepted for o in ref]
+        (warm,) = engine.generate([prompts[2]], PARAMS)
+        assert warm.num_cached_tokens == 384 and warm.token_ids == cold[2].token_ids
+    finally:
+        engine.model.close()
+    assert engine.model.closed
