@@ -1,8 +1,11 @@
 """The shipped trained tiny checkpoint: loads in our loader (with MTP) and in transformers, same logits,
-deterministic greedy text, byte tokenizer round trip; a 3-step train-tiny run writes a loadable checkpoint."""
+deterministic greedy text, byte tokenizer round trip; a 3-step train-tiny run writes a loadable checkpoint;
+a from-scratch run of the shipped command reproduces the shipped loss curve's first steps."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -63,7 +66,7 @@ def test_shipped_greedy_is_deterministic_and_code_like():
 
 
 @pytest.mark.heavy
-def test_train_three_steps_writes_loadable_checkpoint(tmp_path):
+def test_train_three_steps_writes_loadable_checkpoint(tmp_path, restore_threads):
     from workers.model.loader import load_model
     from workers.train.train_tiny import main
 
@@ -71,3 +74,29 @@ def test_train_three_steps_writes_loadable_checkpoint(tmp_path):
     for name in ("config.json", "model.safetensors", "train_log.json", byte_tokenizer.FILE_NAME):
         assert (tmp_path / name).exists()
     assert load_model(str(tmp_path), kernels="torch").mtp is not None
+
+
+@pytest.fixture
+def restore_threads():
+    num = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num)
+
+
+@needs_shipped
+@pytest.mark.heavy
+def test_train_from_scratch_reproduces_shipped_losses(tmp_path, restore_threads):
+    """The shipped command (same seed, schedule, threads), stopped after 20 steps, gives the shipped loss at
+    steps 10 and 20. Bitwise equal on the same torch build and CPU; 1e-3 nats allows another CPU's
+    reduction order."""
+    from workers.train.train_tiny import main
+
+    shipped = json.loads((SHIPPED / "train_log.json").read_text())
+    argv = shlex.split(shipped["command"])[2:]  # drop "hybridserve train-tiny"
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    assert main([*argv, "--stop-after", "20"]) == 0
+    ours = json.loads((tmp_path / "train_log.json").read_text())
+    assert ours["steps"] == 20 and ours["schedule_steps"] == shipped["schedule_steps"]
+    for step in ("10", "20"):
+        assert ours["check_losses"][step] == pytest.approx(shipped["check_losses"][step], abs=1e-3), step
+    assert ours["log"][0]["holdout_loss"] == pytest.approx(shipped["log"][0]["holdout_loss"], abs=1e-3)

@@ -66,13 +66,15 @@ class MTPDrafter:
         if not last_rows:
             return drafts
         proposing = [i for i, _ in last_rows]
+        tables = [self._table(i.req) for i in proposing]  # fixed for the whole chain
         h = out[[r for _, r in last_rows]]  # [b, hidden]
         tokens = torch.argmax(self.model.compute_logits(h), dim=-1)  # [b]
         for i, t in zip(proposing, tokens.tolist()):
             drafts[i.req.request_id] = [t]
         for j in range(1, self.num_spec_tokens):
             chunks = [
-                self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, self._table(i.req), 0) for i in proposing
+                self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, table, 0)
+                for i, table in zip(proposing, tables)
             ]
             h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks)), self.caches)
             tokens = torch.argmax(self.model.compute_logits(h), dim=-1)

@@ -1,6 +1,6 @@
 """MTP acceptance of a checkpoint on held-out stdlib text; prints JSON.
 
-    python -m workers.train.eval_mtp [--model configs/models/tiny-trained] [--num-prompts 8]
+    python -m workers.train.eval_mtp [--model configs/models/tiny-trained] [--num-prompts 8] [--max-tokens 64]
 
 first_token_rate: on held-out windows (teacher forcing), how often the MTP head's greedy draft for t+2
 equals the target's greedy next token at t+1 (computed with transformers + the saved mtp.* tensors).
@@ -63,9 +63,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.train.eval_mtp", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="configs/models/tiny-trained")
     p.add_argument("--seed", type=int, default=0, help="the training seed (same holdout split)")
-    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args(argv)
     _, hold = load_corpus(a.seed)
     result = {"first_token_rate": first_token_rate(a.model, hold)}

@@ -1,6 +1,11 @@
 """`hybridserve train-tiny`: train the tiny hybrid (base + MTP head) on the Python stdlib's source, on CPU.
 
-    hybridserve train-tiny --out DIR [--minutes M] [--steps N] [--seed S]
+    hybridserve train-tiny --out DIR [--steps N] [--seed S] [--threads T]
+
+Seeded and deterministic on CPU for a fixed step count and thread count: the shipped checkpoint's
+train_log.json records its command and the loss at steps 10/20/30 (`check_losses`), which a from-scratch
+run with `--stop-after 30` reproduces (tests/train). `--minutes M` trains to a wall-clock budget instead
+(not reproducible under CPU contention).
 
 The base model trains as transformers' NemotronHForCausalLM (same tensor names as ours); the MTP head is a
 small training twin of workers/model/mtp.py (same mtp.* names and shapes) predicting t_{p+2} from
@@ -22,12 +27,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from workers.model.config import HybridModelConfig
 from workers.model.init_model import _load_yaml, write_checkpoint
 from workers.train import byte_tokenizer
 
 DEFAULT_CONFIG = "configs/models/tiny-nemotron-h.yaml"
+DEFAULT_STEPS = 1000  # ~0.55 s/step on 2 uncontended cores: ~10 min with the evals
+CHECK_STEPS = (10, 20, 30)  # train_log.json's check_losses: what a from-scratch run must reproduce
 
 
 def load_corpus(seed: int, max_files: int = 400, holdout_frac: float = 0.1) -> tuple[list[int], list[int]]:
@@ -158,8 +166,8 @@ def plot(log: list[dict], path: Path) -> None:
     fig.tight_layout(), fig.savefig(path, dpi=80), plt.close(fig)
 
 
-def train(out: Path, minutes: float, steps: int | None, seed: int, config_path: str, batch: int, seq: int,
-          lr: float) -> dict:
+def train(out: Path, minutes: float | None, steps: int | None, seed: int, config_path: str, batch: int, seq: int,
+          lr: float, stop_after: int | None = None, command: str = "") -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -173,9 +181,14 @@ def train(out: Path, minutes: float, steps: int | None, seed: int, config_path: 
     params = list(model.parameters()) + list(mtp.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     g, g_eval = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
-    budget_s, t0, log, step = minutes * 60, time.time(), [], 0
-    total = steps if steps is not None else None
+    total = steps if steps is not None else None  # None: train to the minutes budget (cosine over time)
+    budget_s = (minutes or 0.0) * 60
+    last = min(total, stop_after) if total is not None and stop_after is not None else stop_after
+    t0, log, step = time.time(), [], 0
+    bar = tqdm(total=last or total, desc="train-tiny", unit="step", file=sys.stderr, mininterval=2.0)
     while (step < total) if total is not None else (time.time() - t0 < budget_s):
+        if last is not None and step >= last:
+            break
         frac = step / total if total else (time.time() - t0) / budget_s
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
@@ -190,16 +203,22 @@ def train(out: Path, minutes: float, steps: int | None, seed: int, config_path: 
             model.eval()
             rec["holdout_loss"], rec["holdout_mtp_loss"] = evaluate(model, mtp, hold_ids, seq, g_eval)
             model.train()
-            print(json.dumps(rec), flush=True)
+            tqdm.write(json.dumps(rec), file=sys.stderr)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", mtp=f"{rec['mtp_loss']:.3f}", refresh=False)
         log.append(rec)
+    bar.close()
     model.eval()
     final = evaluate(model, mtp, hold_ids, seq, g_eval, num_batches=8)
     out.mkdir(parents=True, exist_ok=True)
     save(model, mtp, config, out)
-    summary = {"seed": seed, "steps": step, "train_time_s": round(time.time() - t0, 1), "batch": batch,
-               "seq_len": seq, "lr": lr, "num_train_tokens": len(train_ids), "num_holdout_tokens": len(hold_ids),
+    summary = {"command": command, "seed": seed, "steps": step, "schedule_steps": total,
+               "torch_threads": torch.get_num_threads(), "train_time_s": round(time.time() - t0, 1),
+               "s_per_step": round((time.time() - t0) / max(1, step), 3), "batch": batch, "seq_len": seq, "lr": lr,
+               "num_train_tokens": len(train_ids), "num_holdout_tokens": len(hold_ids),
                "final_train_loss": sum(r["loss"] for r in log[-20:]) / len(log[-20:]),
-               "final_holdout_loss": final[0], "final_holdout_mtp_loss": final[1], "log": log}
+               "final_holdout_loss": final[0], "final_holdout_mtp_loss": final[1],
+               "check_losses": {str(r["step"]): r["loss"] for r in log if r["step"] in CHECK_STEPS}, "log": log}
     (out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(log, out / "loss.png")
     return summary
@@ -208,15 +227,21 @@ def train(out: Path, minutes: float, steps: int | None, seed: int, config_path: 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybridserve train-tiny", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--minutes", type=float, default=8.0)
-    parser.add_argument("--steps", type=int, default=None, help="fixed step count (overrides --minutes)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="fixed step count (cosine schedule length)")
+    parser.add_argument("--minutes", type=float, default=None, help="train to a wall-clock budget instead of --steps")
+    parser.add_argument("--stop-after", type=int, default=None, help="stop early, keeping the --steps schedule")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args(argv)
-    s = train(Path(args.out), args.minutes, args.steps, args.seed, args.config, args.batch, args.seq, args.lr)
+    torch.set_num_threads(args.threads)
+    steps = None if args.minutes is not None else args.steps
+    command = "hybridserve train-tiny " + " ".join(argv)
+    s = train(Path(args.out), args.minutes, steps, args.seed, args.config, args.batch, args.seq, args.lr,
+              args.stop_after, command)
     print(json.dumps({k: v for k, v in s.items() if k != "log"}))
     return 0
 
