@@ -85,6 +85,7 @@ class _Job:
     forced: str | None
     cancelled: bool = False
     replica_id: str | None = None
+    report_replica: bool = False  # `generate` wants to know who served it
 
 
 class ClusterBackend:
@@ -192,7 +193,7 @@ class ClusterBackend:
         self.metrics = metrics
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, replica_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, replica_id: str | None = None, _report: bool = False) -> RequestStream:
         """Validate and accept; raises `InvalidRequestError` or `ServerOverloadedError` at once."""
         prompt = list(prompt_token_ids)
         self._validate(prompt)
@@ -203,7 +204,8 @@ class ClusterBackend:
             rid = request_id or f"req-{secrets.token_hex(8)}"
             if rid in self._jobs:
                 raise InvalidRequestError(f"duplicate request id {rid!r}")
-            job = _Job(GenerateMsg.of(prompt, params, cache_salt, rid), RequestStream(rid), replica_id)
+            job = _Job(GenerateMsg.of(prompt, params, cache_salt, rid), RequestStream(rid), replica_id,
+                       report_replica=_report)
             self._jobs[rid] = job
         self._pool.submit(self._serve, job)
         return job.stream
@@ -220,7 +222,7 @@ class ClusterBackend:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                  replica_id: str | None = None) -> tuple[RequestOutput, str]:
         """Blocking convenience (tests, tools): the finished output and the replica that served it."""
-        stream = self.submit(prompt_token_ids, params, cache_salt, replica_id=replica_id)
+        stream = self.submit(prompt_token_ids, params, cache_salt, replica_id=replica_id, _report=True)
         outputs = list(stream)
         return outputs[-1], self._served_by.pop(stream.request_id, None)
 
@@ -290,7 +292,7 @@ class ClusterBackend:
                 continue  # a prefill chunk, or tokens the caller already has
             out = dataclasses.replace(out, new_token_ids=tuple(tokens[len(delivered):]))
             delivered[:] = tokens
-            if out.finished:
+            if out.finished and job.report_replica:
                 self._served_by[job.msg.request_id] = target
                 self._remember(job.msg, out)
             job.stream.put(out)

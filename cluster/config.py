@@ -30,7 +30,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    ray_address: str | None = None  # None: start an embedded local cluster
+    backend: str = "ray"  # ray: replicas as Ray actors + cache service; inprocess: one engine, no Ray
+    ray_address: str | None = None  # None: $RAY_ADDRESS if set (ray job submit), else an embedded local cluster
+    num_cpus: int | None = None  # embedded cluster only (None: detect)
     node_ip_address: str = "127.0.0.1"
     dashboard_host: str = "127.0.0.1"
     num_replicas: int = 1
@@ -39,8 +41,19 @@ class ClusterConfig:
     tp_size: int = 1
     distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
     num_gpus_per_rank: float = 0.0
+    max_inflight: int = 256  # accepted unfinished requests; beyond this, HTTP 429
+    scale_up_queue_depth: float = 4.0  # autoscaler: add a replica above this many requests per replica
+    scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
+    autoscale_interval_s: float = 1.0
+    warm_prefixes: int = 8  # hot prefixes copied onto a new replica
 
     def __post_init__(self) -> None:
+        if self.backend not in ("ray", "inprocess"):
+            raise ConfigError(f"cluster.backend must be ray or inprocess, got {self.backend!r}")
+        if self.backend == "inprocess" and (self.num_replicas != 1 or self.tp_size != 1):
+            raise ConfigError("cluster.backend inprocess serves one replica with tp_size 1")
+        if self.max_inflight < 1:
+            raise ConfigError("cluster.max_inflight must be >= 1")
         if not 1 <= self.min_replicas <= self.num_replicas <= self.max_replicas:
             raise ConfigError("cluster: need 1 <= min_replicas <= num_replicas <= max_replicas")
         if self.tp_size < 1:

@@ -1,9 +1,12 @@
-"""`hybridserve serve --config configs/local.yaml` (also `python -m cluster.serve`).
+"""`hybridserve serve --config configs/local.yaml` (also `python -m cluster.serve`, which is what
+`ray job submit --working-dir . -- python -m cluster.serve --config ...` runs on a cluster).
 
-Today this serves ONE engine replica in-process behind the OpenAI-compatible front end; the Ray
-cluster (TP shards as actors, the cache service, the router, transfers) is the cluster issue's
-remaining work and will start from the same config. Binds to the config's `http.host`
-(127.0.0.1 in local mode).
+With `cluster.backend: ray` (the default) it starts or joins Ray (an embedded local cluster bound
+to 127.0.0.1 unless `cluster.ray_address` or $RAY_ADDRESS names one), the cache-service actor,
+`cluster.num_replicas` replica actors (TP shards each when `cluster.tp_size` > 1), the replica
+autoscaler when `min_replicas < max_replicas`, and the OpenAI-compatible HTTP server on
+`http.host:http.port`. `cluster.backend: inprocess` serves one engine in this process (no Ray).
+Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import logging
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ConfigError, ServeConfig, load_config
@@ -37,18 +41,70 @@ def resolve_model_dir(config: ServeConfig) -> str:
     return str(out)
 
 
-def build_app(config: ServeConfig):
+@dataclass
+class Server:
+    """What `build_app` started; `close()` stops it all (idempotent)."""
+
+    app: object
+    backend: object
+    autoscaler: object | None = None
+    embedded_ray: bool = False
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        self.backend.shutdown()
+        if self.embedded_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def build_backend(config: ServeConfig, model_dir: str):
+    """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
+    c = config.cluster
+    if c.backend == "inprocess":
+        from workers.engine.engine import LLMEngine
+        from workers.engine_runner import EngineRunner
+
+        return EngineRunner(LLMEngine.from_checkpoint(model_dir, config.engine), max_queued=c.max_inflight), None, False
+    from cache_service.router import RouterConfig
+    from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler
+    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.ray_cluster import connect_ray
+
+    how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
+    r = config.router
+    backend = ClusterBackend(model_dir, config.engine, BackendConfig(
+        num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
+        router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
+                            load_cost_per_queued_token=r.load_cost_per_queued_token,
+                            transfer_cost_per_token=r.transfer_cost_per_token),
+        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank))
+    autoscaler = ReplicaAutoscaler(backend, AutoscalerConfig(
+        c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
+        c.warm_prefixes))
+    autoscaler.start()
+    return backend, autoscaler, how == "embedded"
+
+
+def build_app(config: ServeConfig) -> Server:
     from cluster.frontend import create_app
     from cluster.tokenizer import load_tokenizer
-    from workers.engine.engine import LLMEngine
-    from workers.engine_runner import EngineRunner
 
     model_dir = resolve_model_dir(config)
-    engine = LLMEngine.from_checkpoint(model_dir, config.engine)
-    runner = EngineRunner(engine)
-    app = create_app(runner, Path(model_dir).name, api_key=config.http.api_key, tokenizer=load_tokenizer(model_dir),
-                     max_body_bytes=config.http.max_body_bytes)
-    return app, runner
+    backend, autoscaler, embedded = build_backend(config, model_dir)
+    try:
+        app = create_app(backend, Path(model_dir).name, api_key=config.http.api_key,
+                         tokenizer=load_tokenizer(model_dir), max_body_bytes=config.http.max_body_bytes)
+    except Exception:
+        Server(None, backend, autoscaler, embedded).close()
+        raise
+    return Server(app, backend, autoscaler, embedded)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,17 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.overrides)
-        app, runner = build_app(config)
+        server = build_app(config)
     except ConfigError as exc:
         print(f"hybridserve serve: error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
+    port = args.port if args.port is not None else config.http.port
+    log.info("serving %s on http://%s:%d", config.model.path, config.http.host, port)
     try:
-        uvicorn.run(app, host=config.http.host, port=args.port if args.port is not None else config.http.port,
-                    log_level="info")
+        uvicorn.run(server.app, host=config.http.host, port=port, log_level="info")
     finally:
-        runner.shutdown()
+        server.close()
     return 0
 
 

@@ -1,3 +1,9 @@
+import os
+
+# Every Ray address in the tests is loopback; Ray reads this once, when it is first imported,
+# and otherwise rewrites 127.0.0.1 to this machine's non-loopback address when joining a cluster.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import random
 
 import pytest

@@ -1,0 +1,138 @@
+"""End to end over HTTP on a simulated 2-node Ray cluster (`ray.cluster_utils.Cluster`), one
+replica per node, built by `cluster.serve.build_app` exactly as `hybridserve serve` does:
+a resent long prompt is routed to the replica holding its state and hits; the same prompt forced
+to the other node's replica hits via a transfer; every warm output equals the cold output byte
+for byte. Then: killing the cache service under traffic loses nothing, and the autoscaler adds
+a replica warmed by transfers and removes it when idle."""
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster.config import load_config
+from tests.cluster.test_frontend_http import serve_app
+from tests.conftest import make_prompt
+from workers.engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray2"))
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every address on loopback
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(two_nodes, tiny_dir, tmp_path_factory):
+    from cluster import serve
+
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_text(f"""
+cluster: {{ray_address: "{two_nodes.address}", num_replicas: 2, min_replicas: 2, max_replicas: 3,
+          scale_up_queue_depth: 2.0, scale_down_idle_s: 0.5, autoscale_interval_s: 3600}}
+model: {{path: {tiny_dir}}}
+engine: {{kernels: torch, max_model_len: 2048, cache_memory_bytes: 67108864, num_spec_tokens: 3,
+         eagle_mode: lossless}}
+""")
+    server = serve.build_app(load_config(path))
+    with serve_app(server.app) as url:
+        yield url, server
+    server.close()
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], dict, float]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    ids, usage, t0, ttft = [], None, time.perf_counter(), None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["token_ids"] and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids += chunk["choices"][0]["token_ids"] if chunk["choices"] else []
+            usage = chunk.get("usage") or usage
+    return ids, usage, ttft
+
+
+def test_replicas_live_on_different_nodes(served):
+    _, server = served
+    nodes = {r["node_id"] for r in server.backend.stats()["replicas"].values()}
+    assert len(nodes) == 2
+
+
+def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
+    url, server = served
+    backend = server.backend
+    prompt = make_prompt(600, 41)
+    cold, usage, _ = _stream(url, prompt)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    before = dict(backend.counters)
+    warm, usage, _ = _stream(url, prompt)
+    assert warm == cold and usage["prompt_tokens_details"]["cached_tokens"] == 576
+    assert backend.counters["transfers"] == before["transfers"]  # served where the state lives: no transfer
+    # which replica holds it, and force the other one (pages move first, then a normal local hit)
+    holder = max(backend.replica_ids, key=lambda r: backend.service_stats()["replicas"][r]["entries"][1])
+    other = next(r for r in backend.replica_ids if r != holder)
+    forced, served_by = backend.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=other)
+    assert served_by == other and backend.counters["transfers"] == before["transfers"] + 1
+    assert list(forced.token_ids) == cold and forced.num_cached_tokens == 576
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'hybridserve_transfers_total{outcome="ok"}' in metrics
+
+
+def test_killing_the_cache_service_under_http_traffic_loses_nothing(served):
+    url, server = served
+    prompts = [make_prompt(260 + 30 * i, 60 + i) for i in range(6)]
+    cold = [_stream(url, p)[0] for p in prompts]
+    results: list = [None] * len(prompts)
+
+    def send(i):
+        results[i] = _stream(url, prompts[i])[0]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    server.backend.kill_cache_service()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == cold  # every request completed, byte-identical
+
+
+def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
+    from cluster.autoscaler import ScaleAction
+
+    url, server = served
+    backend, scaler = server.backend, server.autoscaler
+    hot = make_prompt(700, 77)
+    cold = _stream(url, hot)[0]
+    streams = [backend.submit(make_prompt(400, 80 + i), SamplingParams(max_tokens=32, ignore_eos=True))
+               for i in range(6)]
+    event = scaler.step()  # 6 in flight on 2 replicas > 2.0 per replica
+    assert event.action is ScaleAction.UP and event.warmed >= 1
+    for s in streams:
+        list(s)
+    new = event.replica_id
+    warm, served_by = backend.generate(hot, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=new)
+    assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold
+    time.sleep(0.6)
+    scaler.step()  # starts the idle clock if needed
+    time.sleep(0.6)
+    down = scaler.step()
+    assert down.action is ScaleAction.DOWN and len(backend.replica_ids) == 2
