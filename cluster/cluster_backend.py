@@ -460,7 +460,12 @@ class ClusterBackend:
         for job in list(self._jobs.values()):
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for rep in list(self.replicas.values()):
+        reps = list(self.replicas.values())
+        try:  # stop engines (and TP workers) cleanly, then make sure
+            ray.wait([rep.actor.shutdown.remote() for rep in reps], num_returns=len(reps), timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        for rep in reps:
             try:
                 ray.kill(rep.actor, no_restart=True)
             except Exception:  # noqa: BLE001

@@ -31,11 +31,13 @@ def connect_ray(address: str | None, node_ip_address: str = "127.0.0.1", dashboa
     if ray.is_initialized():
         return "joined"
     if address:
-        if node_ip_address.startswith("127.") and address.startswith("127."):
+        kw = {}
+        if address.startswith(("127.", "localhost")):
             # else Ray rewrites a 127.0.0.1 address to this machine's non-loopback one; Ray reads
             # this when first imported, so it only helps before that (as in `hybridserve serve`)
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(address=address, _node_ip_address=node_ip_address, log_to_driver=False, configure_logging=False)
+            kw["_node_ip_address"] = node_ip_address
+        ray.init(address=address, log_to_driver=False, configure_logging=False, **kw)
         log.info("joined the Ray cluster at %s", address)
         return "joined"
     start_local_ray(num_cpus, node_ip_address, dashboard_host)

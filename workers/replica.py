@@ -132,6 +132,9 @@ class Replica:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        close = getattr(self.runner.engine.model, "close", None)  # TP: stops the TPWorker actors
+        if close is not None:
+            close()
 
 
 class TransferMixin:
