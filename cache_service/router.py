@@ -43,6 +43,7 @@ class ReplicaEstimate:
     replica_id: str
     hit_tokens: int  # what this policy believes the replica would hit
     cost: float
+    attention_tokens: int = 0  # matched attention blocks there (tokens): the tie-break
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ class Router:
         self._rr = itertools.count()
         self._rng = random.Random(seed)
 
-    def _hit(self, replica_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> int:
+    def _hit(self, replica_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> tuple[int, int]:
+        """(the hit this policy believes in, the attention match) on `replica_id`."""
         result = self.coordinator.find_longest_hit(hashes, num_prompt_tokens, self.index.view(replica_id), False)
         if self.policy is RoutingPolicy.ATTENTION_OVERLAP:
-            return result.attention_match_tokens
-        return result.hit_tokens
+            return result.attention_match_tokens, result.attention_match_tokens
+        return result.hit_tokens, result.attention_match_tokens
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
               queued_tokens: Mapping[str, int] | None = None) -> RouteDecision:
@@ -94,10 +96,12 @@ class Router:
         c = self.config
         estimates = []
         for r in replicas:
-            hit = self._hit(r, hashes, num_prompt_tokens)
+            hit, attention = self._hit(r, hashes, num_prompt_tokens)
             cost = (num_prompt_tokens - hit) * c.prefill_cost_per_token + load.get(r, 0) * c.load_cost_per_queued_token
-            estimates.append(ReplicaEstimate(r, hit, cost))
-        best = min(estimates, key=lambda e: (e.cost, e.replica_id))
+            estimates.append(ReplicaEstimate(r, hit, cost, attention))
+        # equal cost: prefer the replica holding more of the prompt's attention KV; it is where a
+        # shared-prefix junction gets its Mamba snapshot (the next request there then hits)
+        best = min(estimates, key=lambda e: (e.cost, -e.attention_tokens, e.replica_id))
         decision = RouteDecision(best.replica_id, self.policy, best.hit_tokens, tuple(estimates))
         if self.policy is RoutingPolicy.HYBRID:
             decision = self._maybe_transfer(decision, num_prompt_tokens, load)

@@ -2,7 +2,8 @@
 
 Variants change one axis at a time around the config's own setting (the baseline):
 
-    policy     router.policy      hybrid | attention_overlap | round_robin
+    policy     router.policy      hybrid | attention_overlap | round_robin | oracle (ONE replica:
+                                  every request sees the whole cache; the hit-rate ceiling)
     eagle      engine.eagle_mode  drop | lossless
     retention  engine.retention   latest | interval (every `interval` tokens)
 
@@ -23,7 +24,7 @@ from cluster.loadtest.server import spawn_server
 from cluster.loadtest.workloads import WorkloadConfig
 
 AXES = {
-    "policy": ("router.policy", ("hybrid", "attention_overlap", "round_robin")),
+    "policy": ("router.policy", ("hybrid", "attention_overlap", "round_robin", "oracle")),
     "eagle": ("engine.eagle_mode", ("drop", "lossless")),
     "retention": ("engine.retention", ("latest", "interval")),
 }
@@ -59,7 +60,11 @@ def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes
     def variant(setting: dict[str, str]) -> Variant:
         ret_name, ret_override = _retention_override(setting["retention"], interval)
         name = f"{setting['policy']}/{setting['eagle']}/{ret_name}"
-        return Variant(name, (*overrides, f"router.policy={setting['policy']}",
+        policy = setting["policy"]
+        extra = ()
+        if policy == "oracle":  # a single-replica cache: the ceiling routing is compared against
+            policy, extra = "hybrid", ("cluster.num_replicas=1", "cluster.min_replicas=1", "cluster.max_replicas=1")
+        return Variant(name, (*overrides, f"router.policy={policy}", *extra,
                               f"engine.eagle_mode={setting['eagle']}", ret_override))
 
     variants = [variant(base)]

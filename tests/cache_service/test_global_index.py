@@ -88,3 +88,19 @@ def test_busy_holder_triggers_a_transfer_plan():
     index.purge("b")
     with pytest.raises(NoReplicaError):
         router.route(hashes.hashes, 1000)
+
+
+def test_equal_real_hits_break_ties_toward_the_attention_holder():
+    """Nobody has a Mamba state for this prompt, but `b` holds its attention KV: a shared-prefix
+    junction is detected (and snapshotted) only where the attention match is, so go there."""
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.LOSSLESS)
+    index = GlobalIndex(2)
+    tokens = make_tokens(1000, 5, 50)
+    hashes = RequestBlockHashes(16, tokens)
+    a, b = make_replica(coord, "a", (100, 50)), make_replica(coord, "b", (100, 50))
+    b.store_prefix(hashes, 700, ())  # attention only
+    for r in (a, b):
+        index.apply(r.events.replica_id, r.events.drain())
+    decision = Router(index, coord, RoutingPolicy.HYBRID).route(hashes.hashes, 1000, {"a": 0, "b": 0})
+    assert decision.replica_id == "b" and decision.expected_hit_tokens == 0
+    assert {e.replica_id: e.attention_tokens for e in decision.estimates} == {"a": 0, "b": 640}  # in alignment units

@@ -150,7 +150,9 @@ def test_parquet_schema_round_trip(tmp_path):
 def test_variants_change_one_axis_around_the_config():
     names = [v.name for v in make_variants("configs/local.yaml")]
     assert names == ["hybrid/lossless/latest", "attention_overlap/lossless/latest", "round_robin/lossless/latest",
-                     "hybrid/drop/latest", "hybrid/lossless/interval128"]
+                     "oracle/lossless/latest", "hybrid/drop/latest", "hybrid/lossless/interval128"]
+    oracle = next(v for v in make_variants("configs/local.yaml") if v.name.startswith("oracle"))
+    assert "cluster.num_replicas=1" in oracle.overrides and "router.policy=hybrid" in oracle.overrides
     drop = make_variants("configs/local.yaml", ("engine.eagle_mode=drop",), ("eagle",))
     assert [v.name for v in drop] == ["hybrid/drop/latest", "hybrid/lossless/latest"]
     assert drop[1].overrides[0] == "engine.eagle_mode=drop"  # the run's own overrides come first
