@@ -1,17 +1,22 @@
-"""`make demo`: what exists so far, end to end on this machine.
+"""`make demo`: the served cluster, warm vs cold, on this machine.
 
-Today: the cache core's answer to the seed bug (DESIGN.md section 1), as a table built by the
-same simulation `hybridserve explain` runs, the lookup benchmark, and the single-replica engine
-on the bundled tiny model (random weights): cold vs warm TTFT on an identical resend. Later
-issues grow this into the served cluster and the warm-vs-cold load test.
+1. The cache core's answer to the seed bug (DESIGN.md section 1): a table built by the same
+   simulation `hybridserve explain` runs.
+2. The load test against the real thing: for each variant a `hybridserve serve` process
+   (embedded Ray on 127.0.0.1, the cache-service actor, 2 replica actors, the HTTP front end)
+   with the bundled trained tiny model, driven over streaming HTTP by the `resend` (4K-token
+   prompts, sent cold then resent) and `tenants` (shared system prompts, many questions)
+   workloads. Variants: routing `hybrid`, `attention_overlap`, `round_robin`, and the `oracle`
+   (one replica holding every prefix: the hit-rate ceiling); EAGLE `lossless` vs `drop`;
+   retention `latest` (sparse Mamba checkpoints) vs every 128 tokens.
+   Servers are stopped after their run; the table, the ratios, and the Parquet / PNG paths print.
 """
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
-from bench.lookup import DEFAULT_GROUPS, measure
 from cache_service.coordinator import EagleMode
 from cache_service.explain import explain
 from cache_service.simulate import Scenario
@@ -28,7 +33,7 @@ ROWS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def seed_table() -> None:
     print("Identical 8,901-token resend, MTP k=3, latest-only retention\n")
     print(f"{'configuration':<52} {'per-group hits':<28} {'hit':>6}")
     for label, groups, eagle, aware in ROWS:
@@ -38,19 +43,78 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = explain(scenario)
         print(f"{label:<52} {str(report['per_group_hits']):<28} {report['hit_tokens']:>6}")
-    print("\nLookup benchmark (hash + reconciled lookup, 32K tokens, 4 groups):")
-    print(json.dumps(measure(DEFAULT_GROUPS, 32_768, EagleMode.DROP, "latest", 100), indent=2))
-    print("\nEngine: identical 2,048-token resend on the tiny model (MTP k=3, lossless EAGLE):")
-    import tempfile
 
-    from bench.engine import measure_ttft
-    from workers.model.init_model import main as init_model
-    from workers.model.loader import load_model
 
-    with tempfile.TemporaryDirectory(prefix="hybridserve-demo-") as model_dir:
-        init_model(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
-        model = load_model(model_dir)
-        print(json.dumps(measure_ttft(model, 2048, 1, "lossless", 3, 4096), indent=2))
+def headline(summaries) -> list[str]:
+    """The issue's claims, checked on this run's numbers (no claim is printed that was not measured)."""
+    by = {(x.variant.split("/")[0] + "/" + x.variant.split("/")[1], x.workload): x for x in summaries}
+
+    def get(policy, workload, eagle="lossless"):
+        return by.get((f"{policy}/{eagle}", workload))
+
+    lines = []
+    r = get("hybrid", "resend")
+    if r and r.warm_cold_ratio is not None:
+        lines.append(f"resend 4K warm/cold TTFT (hybrid): {r.warm_cold_ratio:.3f}  (target <= 0.05)")
+    h, o, rr, ov = (get(p, "tenants") for p in ("hybrid", "oracle", "round_robin", "attention_overlap"))
+    if h and o and h.warm.hit_rate and o.warm.hit_rate:
+        lines.append(f"tenants warm hit rate hybrid / oracle single replica: {h.warm.hit_rate:.1%} / "
+                     f"{o.warm.hit_rate:.1%} = {h.warm.hit_rate / o.warm.hit_rate:.2f}  (target >= 0.95)")
+    if h and rr and h.warm.ttft_p90_s and rr.warm.ttft_p90_s:
+        lines.append(f"tenants warm p90 TTFT hybrid / round_robin: {_ms(h.warm.ttft_p90_s)} / "
+                     f"{_ms(rr.warm.ttft_p90_s)} ms = {h.warm.ttft_p90_s / rr.warm.ttft_p90_s:.2f}"
+                     "  (target <= 0.33)")
+    if h and ov and h.warm.hit_rate is not None and ov.warm.hit_rate is not None:
+        lines.append(f"tenants warm hit rate hybrid vs attention_overlap: {h.warm.hit_rate:.1%} vs "
+                     f"{ov.warm.hit_rate:.1%}; warm p90 {_ms(h.warm.ttft_p90_s)} vs {_ms(ov.warm.ttft_p90_s)} ms")
+    lo, dr = get("hybrid", "resend"), get("hybrid", "resend", "drop")
+    if lo and dr and lo.warm.hit_rate is not None and dr.warm.hit_rate is not None:
+        lines.append(f"resend warm hit rate lossless vs drop: {lo.warm.hit_rate:.1%} vs {dr.warm.hit_rate:.1%}")
+    return lines
+
+
+def _ms(x):
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from cluster.loadtest.__main__ import write_outputs
+    from cluster.loadtest.compare import format_ratios, make_variants, run_compare
+    from cluster.loadtest.report import format_summaries, summarize
+    from cluster.loadtest.workloads import WorkloadConfig
+
+    p = argparse.ArgumentParser(prog="python -m cluster.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/local.yaml")
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--quick", action="store_true", help="smaller workloads and fewer variants (CI smoke run)")
+    args = p.parse_args(argv)
+    seed_table()
+    if args.quick:
+        axes, workloads = ("policy",), [WorkloadConfig("resend", num_prompts=1, prompt_len=1024, max_tokens=4),
+                                        WorkloadConfig("tenants", tenants=2, questions_per_tenant=3,
+                                                       prompt_len=512, max_tokens=4)]
+    else:
+        axes = ("policy", "eagle", "retention")
+        workloads = [WorkloadConfig("resend", num_prompts=3, prompt_len=4096, max_tokens=8, concurrency=1),
+                     WorkloadConfig("tenants", tenants=3, questions_per_tenant=8, prompt_len=2048, max_tokens=8,
+                                    concurrency=4)]
+    variants = make_variants(args.config, (), axes)
+    print(f"\nLoad test: {len(variants)} servers, one after another ({', '.join(v.name for v in variants)}),"
+          f" workloads {', '.join(w.workload for w in workloads)}\n", flush=True)
+    out = Path(args.out)
+    results = run_compare(args.config, variants, workloads, log_dir=out, show_progress=True)
+    paths = write_outputs(results, out)
+    summaries = [summarize(r) for r in results]
+    print(format_summaries(summaries))
+    print("\nratios against the baseline (first) variant:")
+    print(format_ratios(results))
+    print("\nheadline (this run):")
+    for line in headline(summaries):
+        print("  " + line)
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     return 0
 
 
