@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from cache_service import CacheLayout, EagleMode, HybridCoordinator, RequestBlockHashes
 from cache_service.global_index import GlobalIndex
@@ -54,6 +55,22 @@ def measure_routing(num_entries: int, num_replicas: int, prompt_len: int, repeat
     }
 
 
+def _wide_kv_model() -> str:
+    """The tiny config with 8 KV heads of 128 (random weights): ~25 KB of pages per token."""
+    import tempfile
+
+    import yaml
+
+    from workers.model.init_model import main as init_main
+
+    config = yaml.safe_load(open("configs/models/tiny-nemotron-h.yaml"))
+    config.update(num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    tmp = Path(tempfile.mkdtemp(prefix="hybridserve-widekv-"))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    init_main(["--config", str(tmp / "config.yaml"), "--out", str(tmp / "model")])
+    return str(tmp / "model")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__)
     p.add_argument("--entries", type=int, default=1_000_000)
@@ -62,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=300)
     p.add_argument("--model", help="checkpoint for the transfer benchmark (default: a fresh random tiny one)")
     p.add_argument("--transfer-tokens", type=int, default=4096, help="0 skips the transfer benchmark")
+    p.add_argument("--wide-kv", action="store_true",
+                   help="also time a transfer on the tiny model widened to 8 KV heads x 128 (pages ~8x larger, "
+                        "closer to a real model's page sizes)")
     args = p.parse_args(argv)
     report = {"routing": measure_routing(args.entries, args.replicas, args.prompt_len, args.repeats)}
     if args.transfer_tokens:
@@ -76,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = tempfile.mkdtemp(prefix="hybridserve-tiny-")
             init_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
         report["transfer"] = measure_transfer(model_dir, args.transfer_tokens)
+        if args.wide_kv:
+            report["transfer_wide_kv"] = measure_transfer(_wide_kv_model(), args.transfer_tokens)
     print(json.dumps(report, indent=2))
     return 0
 
