@@ -6,9 +6,10 @@
    (embedded Ray on 127.0.0.1, the cache-service actor, 2 replica actors, the HTTP front end)
    with the bundled trained tiny model, driven over streaming HTTP by the `resend` (4K-token
    prompts, sent cold then resent) and `tenants` (shared system prompts, many questions)
-   workloads. Variants: routing `hybrid`, `attention_overlap`, `round_robin`, and the `oracle`
-   (one replica holding every prefix: the hit-rate ceiling); EAGLE `lossless` vs `drop`;
-   retention `latest` (sparse Mamba checkpoints) vs every 128 tokens.
+   workloads. With a Mamba snapshot every 128 tokens: routing `hybrid`, `attention_overlap`,
+   `round_robin`, and the `oracle` (one replica holding every prefix: the hit-rate ceiling);
+   EAGLE `lossless` vs `drop`. With sparse snapshots (`latest` only): `hybrid` vs
+   `attention_overlap`.
    Servers are stopped after their run; the table, the ratios, and the Parquet / PNG paths print.
 """
 
@@ -22,6 +23,7 @@ from cache_service.explain import explain
 from cache_service.simulate import Scenario
 from cache_service.specs import parse_group_spec
 
+INTERVAL = 128  # retention of the main comparison: a Mamba snapshot every 128 tokens
 GLM = ["full:64", "mamba:2304", "mamba:2304", "mamba:2304"]
 NATIVE = ["full:64", "mamba:64", "mamba:64", "mamba:64"]
 
@@ -45,18 +47,20 @@ def seed_table() -> None:
         print(f"{label:<52} {str(report['per_group_hits']):<28} {report['hit_tokens']:>6}")
 
 
-def headline(summaries) -> list[str]:
-    """The issue's claims, checked on this run's numbers (no claim is printed that was not measured)."""
-    by = {(x.variant.split("/")[0] + "/" + x.variant.split("/")[1], x.workload): x for x in summaries}
+def headline(dense, sparse) -> list[str]:
+    """The issue's targets, checked on this run's numbers. `dense`: summaries of the run with
+    interval retention (policies, oracle, drop); `sparse`: latest-only retention (hybrid vs
+    attention_overlap). Keys are full variant names; nothing is printed that was not measured."""
 
-    def get(policy, workload, eagle="lossless"):
-        return by.get((f"{policy}/{eagle}", workload))
+    def pick(summaries, policy, workload, eagle="lossless"):
+        return next((x for x in summaries if x.workload == workload
+                     and x.variant.split("/")[:2] == [policy, eagle]), None)
 
     lines = []
-    r = get("hybrid", "resend")
+    r = pick(dense, "hybrid", "resend")
     if r and r.warm_cold_ratio is not None:
         lines.append(f"resend 4K warm/cold TTFT (hybrid): {r.warm_cold_ratio:.3f}  (target <= 0.05)")
-    h, o, rr, ov = (get(p, "tenants") for p in ("hybrid", "oracle", "round_robin", "attention_overlap"))
+    h, o, rr = (pick(dense, p, "tenants") for p in ("hybrid", "oracle", "round_robin"))
     if h and o and h.warm.hit_rate and o.warm.hit_rate:
         lines.append(f"tenants warm hit rate hybrid / oracle single replica: {h.warm.hit_rate:.1%} / "
                      f"{o.warm.hit_rate:.1%} = {h.warm.hit_rate / o.warm.hit_rate:.2f}  (target >= 0.95)")
@@ -64,12 +68,15 @@ def headline(summaries) -> list[str]:
         lines.append(f"tenants warm p90 TTFT hybrid / round_robin: {_ms(h.warm.ttft_p90_s)} / "
                      f"{_ms(rr.warm.ttft_p90_s)} ms = {h.warm.ttft_p90_s / rr.warm.ttft_p90_s:.2f}"
                      "  (target <= 0.33)")
-    if h and ov and h.warm.hit_rate is not None and ov.warm.hit_rate is not None:
-        lines.append(f"tenants warm hit rate hybrid vs attention_overlap: {h.warm.hit_rate:.1%} vs "
-                     f"{ov.warm.hit_rate:.1%}; warm p90 {_ms(h.warm.ttft_p90_s)} vs {_ms(ov.warm.ttft_p90_s)} ms")
-    lo, dr = get("hybrid", "resend"), get("hybrid", "resend", "drop")
-    if lo and dr and lo.warm.hit_rate is not None and dr.warm.hit_rate is not None:
-        lines.append(f"resend warm hit rate lossless vs drop: {lo.warm.hit_rate:.1%} vs {dr.warm.hit_rate:.1%}")
+    hs, ov = pick(sparse, "hybrid", "tenants"), pick(sparse, "attention_overlap", "tenants")
+    if hs and ov and hs.warm.hit_rate is not None and ov.warm.hit_rate is not None:
+        lines.append(f"sparse checkpoints (latest only), tenants, hybrid vs attention_overlap: warm hit "
+                     f"{hs.warm.hit_rate:.1%} vs {ov.warm.hit_rate:.1%}, warm TTFT p50 {_ms(hs.warm.ttft_p50_s)} vs "
+                     f"{_ms(ov.warm.ttft_p50_s)} ms, p90 {_ms(hs.warm.ttft_p90_s)} vs {_ms(ov.warm.ttft_p90_s)} ms")
+    for workload in ("resend", "tenants"):
+        lo, dr = pick(dense, "hybrid", workload), pick(dense, "hybrid", workload, "drop")
+        if lo and dr and lo.warm.hit_rate is not None and dr.warm.hit_rate is not None:
+            lines.append(f"{workload} warm hit rate lossless vs drop: {lo.warm.hit_rate:.1%} vs {dr.warm.hit_rate:.1%}")
     return lines
 
 
@@ -93,15 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     seed_table()
     if args.quick:
-        axes, workloads = ("policy",), [WorkloadConfig("resend", num_prompts=1, prompt_len=1024, max_tokens=4),
-                                        WorkloadConfig("tenants", tenants=2, questions_per_tenant=3,
-                                                       prompt_len=512, max_tokens=4)]
+        workloads = [WorkloadConfig("resend", num_prompts=1, prompt_len=1024, max_tokens=4),
+                     WorkloadConfig("tenants", tenants=2, questions_per_tenant=3, prompt_len=512, max_tokens=4)]
     else:
-        axes = ("policy", "eagle", "retention")
         workloads = [WorkloadConfig("resend", num_prompts=3, prompt_len=4096, max_tokens=8, concurrency=1),
                      WorkloadConfig("tenants", tenants=3, questions_per_tenant=8, prompt_len=2048, max_tokens=8,
                                     concurrency=4)]
-    variants = make_variants(args.config, (), axes)
+    interval = f"engine.retention='{INTERVAL}'"
+    dense = make_variants(args.config, (interval,), ("policy",) if args.quick else ("policy", "eagle"))
+    sparse = [v for v in make_variants(args.config, ("engine.retention=latest",), ("policy",))
+              if v.name.split("/")[0] in ("hybrid", "attention_overlap")]
+    variants = dense + ([] if args.quick else sparse)
     print(f"\nLoad test: {len(variants)} servers, one after another ({', '.join(v.name for v in variants)}),"
           f" workloads {', '.join(w.workload for w in workloads)}\n", flush=True)
     out = Path(args.out)
@@ -111,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summaries(summaries))
     print("\nratios against the baseline (first) variant:")
     print(format_ratios(results))
+    n = len(dense) * len(workloads)
     print("\nheadline (this run):")
-    for line in headline(summaries):
+    for line in headline(summaries[:n], summaries[n:]):
         print("  " + line)
     print("\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     return 0

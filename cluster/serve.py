@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -72,6 +73,11 @@ def build_backend(config: ServeConfig, model_dir: str):
         from workers.engine_runner import EngineRunner
 
         return EngineRunner(LLMEngine.from_checkpoint(model_dir, config.engine), max_queued=c.max_inflight), None, False
+    if c.node_ip_address.startswith("127.") and (c.ray_address or os.environ.get("RAY_ADDRESS", "127.")).startswith(
+            ("127.", "localhost")):
+        # loopback only: Ray reads this when first imported (below); without it, workers report
+        # and bind this machine's outward address (the transfer stores among them)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from cache_service.router import RouterConfig
     from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler
     from cluster.cluster_backend import BackendConfig, ClusterBackend
