@@ -13,6 +13,12 @@ transfers, retries, backpressure. It has the `EngineRunner` interface the front 
          caller already has are not sent twice (greedy and seeded outputs are deterministic; an
          unseeded sampled request that had already streamed fails with a retryable error)
       5. the cache service is down: route by load alone until Ray has restarted it
+      6. a replica reports itself unhealthy (a TP rank died): it is purged, stopped, and the
+         request is served elsewhere, as in 4
+
+Verification and fault injection (tests, `python -m bench.faults`): `index_problems()` lists
+where the cache service's index differs from the live replicas' caches; `on_routed` is called
+between routing a request and moving pages / serving it; `kill_replica`, `kill_cache_service`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from workers.engine.errors import InvalidRequestError, ServerOverloadedError
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
 from workers.engine_runner import RequestStream, StreamEnd
-from workers.replica import GenerateMsg, TransferReplica
+from workers.replica import GenerateMsg, ReplicaUnhealthyError, TransferReplica
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ class BackendConfig:
     replica_max_concurrency: int = 64
     hot_prefixes: int = 32  # remembered for warming new replicas
     transfer_timeout_s: float = 120.0
+    sync_interval_s: float = 1.0  # events pulled at least this often, traffic or not (0: only when routing)
 
 
 @dataclass
@@ -76,6 +83,7 @@ class _Replica:
     queued_tokens: int = 0
     num_inflight: int = 0
     draining: bool = False
+    next_seq: int = 0  # the seq after the last event handed to the cache service
 
 
 @dataclass
@@ -103,12 +111,15 @@ class ClusterBackend:
         self._ids = itertools.count()
         self._jobs: dict[str, _Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
+        self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
         self._hot: OrderedDict[tuple, int] = OrderedDict()  # (prompt prefix, salt) -> hit tokens seen
         self.metrics = None
+        self._channel_gen: dict[tuple[str, str], int] = {}  # (src, dst) -> channel generation
         self._served_by: dict[str, str] = {}  # request id -> replica, for `generate`
         self.counters = {"routed": 0, "load_only": 0, "transfers": 0, "transfer_failures": 0, "retries": 0,
                          "replica_deaths": 0, "service_resyncs": 0}
         self.limits: dict = {}
+        self.on_routed = None  # fault injection: fn(msg, decision or None, target) before transfer / serve
         self.add_replicas(self.config.num_replicas)
         first = next(iter(self.replicas.values())).info
         self.limits = {k: first[k] for k in ("vocab_size", "max_model_len", "alignment")}
@@ -119,6 +130,19 @@ class ClusterBackend:
         self._service_epoch = None
         with self._route_lock:
             self._sync()
+        self._stop = threading.Event()
+        if self.config.sync_interval_s > 0:  # deaths, lost batches, a restarted service: found without traffic
+            threading.Thread(target=self._sync_loop, name="index-sync", daemon=True).start()
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self.config.sync_interval_s):
+            try:
+                with self._route_lock:
+                    self._sync()
+            except (RayActorError, GetTimeoutError):
+                pass  # the cache service is down: the next round rebuilds it
+            except Exception:  # noqa: BLE001 - keep syncing
+                log.exception("index sync failed")
 
     # ---- replicas -----------------------------------------------------------------------------
     def add_replicas(self, n: int) -> list[str]:
@@ -160,7 +184,7 @@ class ClusterBackend:
         """Fault injection: kill the cache service; Ray restarts it (empty), we rebuild its index."""
         ray.kill(self.service, no_restart=False)
 
-    def _forget(self, replica_id: str, reason: str) -> None:
+    def _forget(self, replica_id: str, reason: str, stop: bool = False) -> None:
         with self._lock:
             rep = self.replicas.pop(replica_id, None)
         if rep is None:
@@ -168,6 +192,8 @@ class ClusterBackend:
         if reason != "removed":
             self.counters["replica_deaths"] += 1
         log.warning("replica %s %s: purging it from the index", replica_id, reason)
+        if stop:  # alive but unusable (e.g. a TP rank died): free what it holds
+            ray.kill(rep.actor, no_restart=True)
         try:
             ray.get(self.service.remove_replica.remote(replica_id), timeout=SERVICE_TIMEOUT_S)
         except (RayActorError, GetTimeoutError):
@@ -256,8 +282,10 @@ class ClusterBackend:
                 try:
                     if self._stream_from(job, target, delivered):
                         return
-                except (RayActorError, _StreamBroken) as exc:
-                    self._forget(target, reason=f"died ({type(exc).__name__})")
+                except (RayActorError, _StreamBroken, ReplicaUnhealthyError) as exc:
+                    unhealthy = isinstance(exc, ReplicaUnhealthyError)
+                    self._forget(target, reason=f"unhealthy ({exc})" if unhealthy else f"died ({type(exc).__name__})",
+                                 stop=unhealthy)
                     if delivered and job.msg.temperature > 0 and job.msg.seed is None:
                         job.stream.put(StreamEnd(ReplicaFailedError(
                             f"replica {target} died mid-stream; an unseeded sampled request cannot resume: retry")))
@@ -280,7 +308,9 @@ class ClusterBackend:
 
     def _stream_from(self, job: _Job, target: str, delivered: list[int]) -> bool:
         """Stream the replica's outputs; True when the request finished."""
-        rep = self.replicas[target]
+        rep = self.replicas.get(target)
+        if rep is None:  # found dead (by another request or the index sync) since it was chosen
+            raise _StreamBroken(f"replica {target} is gone")
         job.replica_id = target
         for ref in rep.actor.generate_stream.remote(job.msg):
             fields = ray.get(ref)
@@ -325,11 +355,14 @@ class ClusterBackend:
                            decision.expected_hit_tokens)
             cost = len(msg.prompt_token_ids) - hit + msg.max_tokens
             with self._lock:
-                rep = self.replicas[target]
-                rep.queued_tokens += cost
-                rep.num_inflight += 1
+                rep = self.replicas.get(target)
+                if rep is not None:  # else gone meanwhile: the attempt fails over (see `_stream_from`)
+                    rep.queued_tokens += cost
+                    rep.num_inflight += 1
         if self.metrics is not None and hasattr(self.metrics, "record_route"):
             self.metrics.record_route(self.config.policy if decision else "load_only", target)
+        if self.on_routed is not None:
+            self.on_routed(msg, decision, target)
         if decision is not None:
             self._maybe_transfer(msg, decision, target)
         return target, cost
@@ -369,18 +402,39 @@ class ClusterBackend:
         refs = {rep.replica_id: rep.actor.drain_events.remote() for rep in reps}
         for rid, ref in refs.items():
             try:
-                _, events = ray.get(ref, timeout=SERVICE_TIMEOUT_S)
+                _, events, emitted_below = ray.get(ref, timeout=SERVICE_TIMEOUT_S)
+            except ReplicaUnhealthyError as exc:
+                self._forget(rid, reason=f"unhealthy ({exc})", stop=True)
+                continue
             except (RayActorError, GetTimeoutError):
                 self._forget(rid, reason="unreachable")
                 continue
-            if not ray.get(self.service.ingest.remote(rid, events), timeout=SERVICE_TIMEOUT_S):
-                rep = self.replicas.get(rid)
-                if rep is None:
+            rep = self.replicas.get(rid)
+            if rep is None:
+                continue
+            events = [e for e in events if e.seq >= rep.next_seq]  # older ones are in the last snapshot
+            ok = ray.get(self.service.ingest.remote(rid, events), timeout=SERVICE_TIMEOUT_S)
+            if ok and self._follow(rep, events) < emitted_below:
+                ok = False  # events the replica emitted never arrived (a lost last batch): resync
+                log.warning("%s: cache events below seq %d were lost", rid, emitted_below)
+            if not ok:
+                try:
+                    contents, next_seq = ray.get(rep.actor.snapshot.remote(), timeout=SERVICE_TIMEOUT_S)
+                except (ReplicaUnhealthyError, RayActorError, GetTimeoutError) as exc:
+                    self._forget(rid, reason=f"unreachable ({type(exc).__name__})",
+                                 stop=isinstance(exc, ReplicaUnhealthyError))
                     continue
-                contents, next_seq = ray.get(rep.actor.snapshot.remote(), timeout=SERVICE_TIMEOUT_S)
                 ray.get(self.service.resync.remote(rid, contents, next_seq), timeout=SERVICE_TIMEOUT_S)
+                rep.next_seq = next_seq
                 self.counters["service_resyncs"] += 1
                 log.info("resynced %s into the cache service (%d entries)", rid, sum(map(len, contents)))
+
+    @staticmethod
+    def _follow(rep: _Replica, events: list) -> int:
+        """Advance past a batch the service accepted; returns the seq now expected next."""
+        if events:
+            rep.next_seq = events[-1].seq + 1
+        return rep.next_seq
 
     # ---- transfers ------------------------------------------------------------------------------
     def _maybe_transfer(self, msg: GenerateMsg, decision: RouteDecision, target: str) -> None:
@@ -398,17 +452,22 @@ class ClusterBackend:
         """Move the pages serving a `num_tokens` hit src -> dst; on any failure log why and return
         False (the request then recomputes)."""
         t0 = time.perf_counter()
+        with self._lock:  # one transfer at a time per (src, dst): they share one ordered channel
+            pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
         try:
-            s, d = self.replicas[src], self.replicas[dst]
-            endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=SERVICE_TIMEOUT_S)
-            sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst)
-            received = d.actor.recv_prefix.remote(src, endpoint)
-            nbytes, _ = ray.get([sent, received], timeout=self.config.transfer_timeout_s)
+            with pair_lock:
+                s, d = self.replicas[src], self.replicas[dst]
+                endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=SERVICE_TIMEOUT_S)
+                gen = self._channel_gen.get((src, dst), 0)  # a fresh pair after a failure
+                sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
+                received = d.actor.recv_prefix.remote(src, endpoint, gen)
+                nbytes, _ = ray.get([sent, received], timeout=self.config.transfer_timeout_s)
             self.counters["transfers"] += 1
             ok = True
         except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
             log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
             self.counters["transfer_failures"] += 1
+            self._channel_gen[(src, dst)] = self._channel_gen.get((src, dst), 0) + 1
             for a, b in ((src, dst), (dst, src)):
                 rep = self.replicas.get(a)
                 if rep is not None:
@@ -456,7 +515,49 @@ class ClusterBackend:
     def service_stats(self) -> dict:
         return ray.get(self.service.stats.remote(), timeout=SERVICE_TIMEOUT_S)
 
+    def index_problems(self) -> list[str]:
+        """Where the cache service's index differs from the live replicas' caches (empty: consistent).
+
+        Each replica's pending events and a snapshot are taken at one instant and the events fed to
+        the service, which must then hold exactly the snapshot: no stale or dead replica, the same
+        next seq and entry counts. Takes the routing lock; repairs nothing (routing does)."""
+        problems = []
+        with self._route_lock:
+            with self._lock:
+                reps = list(self.replicas.values())
+            taken = {}
+            for rep in reps:
+                try:
+                    events, contents, next_seq = ray.get(rep.actor.drain_and_snapshot.remote(),
+                                                         timeout=SERVICE_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - dead, unhealthy, or slow: not consistent
+                    problems.append(f"{rep.replica_id}: unreachable ({type(exc).__name__})")
+                    continue
+                taken[rep.replica_id] = ([len(set(c)) for c in contents], next_seq)
+                events = [e for e in events if e.seq >= rep.next_seq]
+                try:
+                    if ray.get(self.service.ingest.remote(rep.replica_id, events), timeout=SERVICE_TIMEOUT_S):
+                        self._follow(rep, events)
+                except (RayActorError, GetTimeoutError):
+                    return problems + ["cache service unreachable"]
+            try:
+                stats = self.service_stats()["replicas"]
+            except (RayActorError, GetTimeoutError):
+                return problems + ["cache service unreachable"]
+        problems += [f"{r}: indexed but not a live replica" for r in stats if r not in self.replicas]
+        for rid, (entries, next_seq) in taken.items():
+            s = stats.get(rid)
+            if s is None:
+                problems.append(f"{rid}: not in the index")
+            elif s["stale"]:
+                problems.append(f"{rid}: stale (waiting for a resync)")
+            elif s["next_seq"] != next_seq or s["entries"] != entries:
+                problems.append(f"{rid}: index has seq {s['next_seq']} entries {s['entries']}, "
+                                f"replica seq {next_seq} entries {entries}")
+        return problems
+
     def shutdown(self) -> None:
+        self._stop.set()
         for job in list(self._jobs.values()):
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)

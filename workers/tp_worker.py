@@ -118,6 +118,7 @@ def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str =
         init_method = init_method or free_tcp_init_method()
         serving.extend(w.serve.remote(init_method, timeout_s) for w in workers)
         model = _join_rank0(model_dir, tp_size, init_method, backend, timeout_s, shard, on_close)
+        model.tp_workers, model.tp_serving = workers, serving  # the replica's health check watches these
     except BaseException:
         for w in workers:
             ray.kill(w)

@@ -155,6 +155,7 @@ def import_prefix(
 #
 #   sender                                   receiver
 #   sizes, header (keys + chunk sizes)  ->   check compatibility, allocate the fresh pages
+#   (sizes [0, 0] instead: the pages are gone, nothing follows)
 #   chunk 0 | chunk 1 | ... (pages of one    receive chunk k+1 while copying chunk k into its
 #   cache tensor each, <= chunk_bytes)  ->   pages; checksum as they arrive
 #   trailer: xxh3-64 of all chunks      ->   match: register the pages; else free them, raise
@@ -215,10 +216,12 @@ def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_toke
 
 
 def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, channel,
-                on_loop=_DIRECT, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0) -> int:
+                on_loop=_DIRECT, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0,
+                corrupt: bool = False) -> int:
     """Stream the pages serving a `num_tokens` hit to the channel's peer. Returns payload bytes.
 
-    `on_loop(fn)` runs `fn()` where the engine may be touched (an `EngineRunner.call`)."""
+    `on_loop(fn)` runs `fn()` where the engine may be touched (an `EngineRunner.call`). `corrupt`
+    (fault injection) flips one byte of the first chunk on the wire, after it was checksummed."""
     if num_tokens <= 0 or num_tokens % cache.alignment:
         raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
 
@@ -234,7 +237,11 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
             cache.pools[group].touch(found)
         return wanted, blocks
 
-    wanted, blocks = on_loop(pin)
+    try:
+        wanted, blocks = on_loop(pin)
+    except TransferError:
+        channel.isend(torch.zeros(2, dtype=torch.int64)).wait()  # "nothing follows": the receiver stops
+        raise
     try:
         ids = [[b.block_id for b in found] for found in blocks]
         plan = _chunk_plan(cache, ids, chunk_bytes)
@@ -251,13 +258,19 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
         tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
         digest = xxhash.xxh3_64()
         in_flight: list = []
+        chunks: list[torch.Tensor] = []
         for group, ti, a, b in plan:
             t, rows = tensors[group][ti], ids[group][a:b]
             chunk = _rows_view(t, rows)  # runs are consecutive by construction: no gather
             if chunk is None:
                 chunk = t.index_select(0, torch.tensor(rows, dtype=torch.long)).view(-1).view(torch.uint8)
-            digest.update(memoryview(chunk.numpy()))
+            chunks.append(chunk)
+            if corrupt:  # a copy: the cached page itself stays intact
+                chunk, corrupt = chunk.clone(), False
+                chunk[0] ^= 0xFF
             in_flight.append(channel.isend(chunk))  # all posted at once: the wire never waits on us
+        for chunk in chunks:  # checksummed while the sends are on the wire (pages are pinned)
+            digest.update(memoryview(chunk.numpy()))
         for work in in_flight:
             work.wait()
         trailer = torch.frombuffer(bytearray(digest.hexdigest().encode()), dtype=torch.uint8)
@@ -272,6 +285,8 @@ def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: in
     (the whole stream is still drained, so the channel stays usable)."""
     sizes = torch.empty(2, dtype=torch.int64)
     channel.irecv(sizes).wait()
+    if int(sizes[0]) == 0:
+        raise TransferError("the sender no longer holds the prefix (evicted)")
     raw = torch.empty(int(sizes[0]), dtype=torch.uint8)
     channel.irecv(raw).wait()
     header = TransferHeader.decode(raw.numpy().tobytes())
@@ -294,7 +309,8 @@ def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: in
                  for g, keys in enumerate(header.keys)]
         if not all(cache.pools[g].can_allocate(len(rows)) for g, rows in enumerate(fresh)):
             return "no room in the destination pools"
-        pages = [cache.pools[g].allocate(len(rows)) for g, rows in enumerate(fresh)]
+        # ascending block ids: consecutive free pages make runs that are received in place, no copy
+        pages = [sorted(cache.pools[g].allocate(len(rows)), key=lambda p: p.block_id) for g, rows in enumerate(fresh)]
         return plan, fresh, pages
 
     prepared = on_loop(prepare)

@@ -3,8 +3,10 @@
 cluster-wide world.
 
     PairChannel   its own `ProcessGroupGloo` (CPU) or NCCL group over a `TCPStore` hosted by
-                  the sender; rank 0 sends, rank 1 receives. The store namespace includes a
-                  cluster secret, so only processes given that secret by the controller meet.
+                  the sender; rank 0 sends, rank 1 receives. The store namespace is an HMAC of the
+                  channel name under a cluster secret, so only processes given that secret by the
+                  controller meet (a wrong secret waits alone and times out), and the secret
+                  itself never crosses the (unencrypted) store connection.
     WorldChannel  the default process group (`dist.init_process_group`), peer by rank; used by
                   two-process tests and benchmarks.
 
@@ -14,6 +16,8 @@ Both expose `isend(tensor)` / `irecv(tensor)` returning a work handle with `.wai
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import socket
 from typing import Protocol
 
@@ -67,6 +71,11 @@ class StoreHost:
         return self.host, self.port
 
 
+def channel_namespace(secret: str, name: str) -> str:
+    """The store prefix of channel `name`: only holders of `secret` can compute it."""
+    return hmac.new(secret.encode(), name.encode(), hashlib.sha256).hexdigest()
+
+
 class PairChannel:
     """A 2-rank group named `name` over the store at `endpoint` (rank 0 = sender)."""
 
@@ -78,7 +87,7 @@ class PairChannel:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"hybridserve/{secret}/{name}", store)
+        prefixed = dist.PrefixStore(f"hybridserve/{channel_namespace(secret, name)}", store)
         self.name, self.rank, self.backend = name, rank, backend
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
@@ -100,4 +109,4 @@ class PairChannel:
         return self.pg.recv([tensor], self.peer, 0)
 
 
-__all__ = ["Channel", "PairChannel", "StoreHost", "WorldChannel", "free_port"]
+__all__ = ["Channel", "PairChannel", "channel_namespace", "StoreHost", "WorldChannel", "free_port"]

@@ -1,0 +1,365 @@
+"""`python -m bench.faults`: fault injection on a simulated 2-node Ray cluster under loadtest traffic.
+
+A `ray.cluster_utils.Cluster` of two loopback nodes, the tiny trained model, two replicas (one per
+node) behind `ClusterBackend` and the HTTP front end on 127.0.0.1. Cold reference outputs come
+first (each prompt once, under a salt of its own, so nothing hits). Then, per scenario, a seeded
+`resend` workload (greedy) runs over HTTP and the fault is injected mid-traffic:
+
+    drop_events         a replica loses its next batch of cache events (the index sees the gap, resyncs)
+    reorder_events      a replica's next batch arrives out of order (same)
+    corrupt_transfer    one byte of a transferred page flips on the wire (the checksum refuses it,
+                        the request recomputes); forced requests make the transfers happen
+    evict_while_routed  the holder evicts its pages between routing and transfer / serving
+    kill_cache_service  the cache-service actor is killed (load-only routing, then a rebuilt index)
+    kill_replica        a replica actor is killed (its requests resume on the other one)
+    kill_tp_rank        (replicas with tp_size 2) one TPWorker actor is killed; its replica reports
+                        itself unhealthy, is purged and stopped, its requests resume elsewhere
+
+Per scenario: requests sent, completed, retryable errors (429/503, or a stream error saying
+"retry"), lost (neither: must be 0), outputs differing from cold (must be 0), and recovery
+seconds: from the fault taking effect until `ClusterBackend.index_problems()` is empty (no
+stale or dead entry; every live replica's index entries equal its own cache). JSON report too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
+SCENARIOS = ("drop_events", "reorder_events", "corrupt_transfer", "evict_while_routed", "kill_cache_service",
+             "kill_replica", "kill_tp_rank")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    num_prompts: int = 4  # resend: each sent twice per scenario
+    prompt_len: int = 320
+    max_tokens: int = 24
+    concurrency: int = 4
+    fault_after_s: float = 0.2  # after the first request is in flight
+    recovery_timeout_s: float = 30.0
+    seed: int = 0
+    cache_memory_bytes: int = 64 * 2**20
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    sent: int = 0
+    completed: int = 0
+    retryable_errors: int = 0
+    lost: int = 0
+    differing: int = 0
+    recovery_s: float | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.differing == 0 and self.recovery_s is not None
+
+
+# ---- the cluster ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def two_node_cluster(num_cpus_per_node: int = 1):
+    """Two Ray nodes on loopback (driver connected); RAY_TMPDIR short for unix socket paths."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rf", dir="/tmp"))
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": num_cpus_per_node, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    cluster.add_node(num_cpus=num_cpus_per_node, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@contextlib.contextmanager
+def serving(backend, model_dir: str):
+    """The OpenAI front end over `backend` under uvicorn on 127.0.0.1; yields its URL."""
+    import socket
+
+    import uvicorn
+
+    from cluster.frontend import create_app
+    from cluster.tokenizer import load_tokenizer
+
+    app = create_app(backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@dataclass
+class Env:
+    """One backend behind HTTP, with the workload's prompts and their cold outputs."""
+
+    backend: object
+    url: str
+    config: FaultConfig
+    prompts: list[list[int]]
+    cold: list[list[int]]
+
+    def params(self):
+        from workers.engine.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=self.config.max_tokens, ignore_eos=True)
+
+
+def make_backend(model_dir: str, config: FaultConfig, tp_size: int = 1, num_replicas: int = 2):
+    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from workers.engine.config import EngineConfig
+
+    engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=config.cache_memory_bytes)
+    return ClusterBackend(model_dir, engine, BackendConfig(num_replicas=num_replicas, tp_size=tp_size,
+                                                           transfer_timeout_s=30.0))
+
+
+def workload_config(config: FaultConfig, salt: str):
+    from cluster.loadtest import WorkloadConfig
+
+    return WorkloadConfig("resend", num_prompts=config.num_prompts, prompt_len=config.prompt_len,
+                          max_tokens=config.max_tokens, concurrency=config.concurrency, seed=config.seed,
+                          salt=salt, timeout_s=120.0)
+
+
+def make_env(backend, url: str, config: FaultConfig) -> Env:
+    """Prompts of the workload and their cold outputs (each under its own salt: no hits)."""
+    from cluster.loadtest import build_workload
+
+    specs = build_workload(workload_config(config, "x")).specs[: config.num_prompts]
+    prompts = [list(s.prompt) for s in specs]
+    env = Env(backend, url, config, prompts, [])
+    env.cold = [list(backend.generate(p, env.params(), cache_salt=f"cold-{i}")[0].token_ids)
+                for i, p in enumerate(prompts)]
+    return env
+
+
+# ---- one scenario ------------------------------------------------------------------------------------
+def _retryable(status: str, error: str | None) -> bool:
+    return status in ("429", "503") or (status == "stream_error" and "retry" in (error or "").lower())
+
+
+def _score(result: ScenarioResult, env: Env, outputs: list[tuple[int, str, str | None, list[int]]]) -> None:
+    """outputs: (prompt index, status, error, token ids) per request."""
+    for i, status, error, tokens in outputs:
+        result.sent += 1
+        if status == "200":
+            result.completed += 1
+            result.differing += tokens != env.cold[i]
+        elif _retryable(status, error):
+            result.retryable_errors += 1
+        else:
+            result.lost += 1
+            result.details.setdefault("errors", []).append(f"{status}: {(error or '')[:160]}")
+
+
+def _holder(env: Env, prompt: list[int], salt: str) -> str:
+    """Warm `prompt` under `salt` (setup, not counted) and return the replica holding it."""
+    return env.backend.generate(prompt, env.params(), cache_salt=salt)[1]
+
+
+def _forced(env: Env, salt: str) -> list:
+    """Each prompt forced to a replica that does not hold it (its pages move there first)."""
+    out = []
+    for i, p in enumerate(env.prompts):
+        holder = _holder(env, p, salt)
+        other = next((r for r in env.backend.replica_ids if r != holder), holder)
+        try:
+            res, _ = env.backend.generate(p, env.params(), cache_salt=salt, replica_id=other)
+            out.append((i, "200", None, list(res.token_ids)))
+        except Exception as exc:  # noqa: BLE001 - scored as an error
+            out.append((i, "error", f"{type(exc).__name__}: {exc}", []))
+    return out
+
+
+def _actor(env: Env, replica_id: str):
+    return env.backend.replicas[replica_id].actor
+
+
+def run_scenario(env: Env, name: str) -> ScenarioResult:
+    """Traffic over HTTP with `name`'s fault injected `fault_after_s` in; scored against cold."""
+    import ray
+
+    from cluster.loadtest import run_workload
+
+    backend, config = env.backend, env.config
+    salt = f"{name}-{time.time_ns()}-"
+    wl = workload_config(config, salt)
+    prompt_salt = f"{salt}resend"
+    result = ScenarioResult(name)
+    before = dict(backend.counters)
+    records: list = []
+    extra: list = []  # forced requests, scored like the traffic
+    traffic = threading.Thread(target=lambda: records.extend(
+        run_workload(env.url, wl, show_progress=False).records))
+    fired: list[float] = []
+    victims = backend.replica_ids
+    if name in ("corrupt_transfer", "evict_while_routed"):  # holders must exist before the fault
+        for p in env.prompts:
+            _holder(env, p, prompt_salt)
+    traffic.start()
+    deadline = time.monotonic() + 30
+    while not backend.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(config.fault_after_s)
+    if name in ("drop_events", "reorder_events"):
+        ray.get(_actor(env, victims[0]).inject_event_fault.remote(name.split("_")[0]))
+    elif name == "corrupt_transfer":
+        ray.get([_actor(env, r).inject_transfer_fault.remote() for r in victims])
+        extra = _forced(env, prompt_salt)
+    elif name == "evict_while_routed":
+        evicted: list[int] = []
+
+        def evict_holder(msg, decision, target) -> None:
+            if decision is None or len(evicted) >= 4:
+                return
+            best = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
+            if best is not None and best.hit_tokens > 0:
+                evicted.append(ray.get(_actor(env, best.replica_id).evict_cached.remote()))
+                fired.append(time.time())
+
+        backend.on_routed = evict_holder
+        extra = _forced(env, prompt_salt)
+    elif name == "kill_cache_service":
+        fired.append(time.time())
+        backend.kill_cache_service()
+    elif name == "kill_replica":
+        fired.append(time.time())
+        backend.kill_replica(victims[0])
+    elif name == "kill_tp_rank":
+        workers = ray.get(_actor(env, victims[0]).tp_workers.remote())
+        fired.append(time.time())
+        ray.kill(workers[0], no_restart=True)
+    result.recovery_s = _recovery(env, name, victims, fired)
+    traffic.join(timeout=300)
+    backend.on_routed = None
+    _score(result, env, [(int(r.group[1:]), r.status, r.error, r.output_token_ids) for r in records] + extra)
+    result.details.update({k: backend.counters[k] - before[k] for k in backend.counters
+                           if backend.counters[k] != before[k]})
+    if name == "evict_while_routed":
+        result.details["pages_evicted"] = sum(evicted)
+    result.details["replicas_after"] = backend.replica_ids
+    return result
+
+
+def _fault_time(env: Env, name: str, victims: list[str], fired: list[float]) -> float | None:
+    import ray
+
+    if fired:
+        return fired[0]
+    times = []
+    for r in victims:
+        rep = env.backend.replicas.get(r)
+        if rep is not None:
+            with contextlib.suppress(Exception):
+                times.append(ray.get(rep.actor.fault_time.remote(), timeout=10))
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
+
+
+def _recovery(env: Env, name: str, victims: list[str], fired: list[float]) -> float | None:
+    """Seconds from the fault taking effect until the index is consistent; None past the timeout."""
+    deadline = time.time() + env.config.recovery_timeout_s
+    while time.time() < deadline:
+        t_fault = _fault_time(env, name, victims, fired)
+        if t_fault is not None and not env.backend.index_problems():
+            return round(max(0.0, time.time() - t_fault), 2)
+        time.sleep(0.1)
+    logging.getLogger(__name__).warning("%s: index not consistent after %.0fs: %s", name,
+                                        env.config.recovery_timeout_s, env.backend.index_problems())
+    return None
+
+
+# ---- all of it ------------------------------------------------------------------------------------------
+def run_all(config: FaultConfig, scenarios=SCENARIOS, model_dir: str = TINY_TRAINED) -> list[ScenarioResult]:
+    """Scenarios on TP=1 replicas first (kill_replica last of those), then kill_tp_rank on TP=2."""
+    with two_node_cluster():
+        return run_scenarios(config, scenarios, model_dir)
+
+
+def run_scenarios(config: FaultConfig, scenarios=SCENARIOS, model_dir: str = TINY_TRAINED) -> list[ScenarioResult]:
+    """`run_all` on the Ray cluster this process is connected to."""
+    results = []
+    plain = [s for s in scenarios if s != "kill_tp_rank"]
+    for tp_size, names in ((1, plain), (2, [s for s in scenarios if s == "kill_tp_rank"])):
+        if not names:
+            continue
+        backend = make_backend(model_dir, config, tp_size=tp_size)
+        try:
+            with serving(backend, model_dir) as url:
+                env = make_env(backend, url, config)
+                for name in names:
+                    t0 = time.perf_counter()
+                    res = run_scenario(env, name)
+                    res.details["wall_s"] = round(time.perf_counter() - t0, 1)
+                    res.details["tp_size"] = tp_size
+                    results.append(res)
+        finally:
+            backend.shutdown()
+    return results
+
+
+def format_table(results: list[ScenarioResult]) -> str:
+    head = f"{'scenario':<20}{'sent':>6}{'done':>6}{'retry':>7}{'lost':>6}{'differ':>8}{'recovery s':>12}"
+    rows = [head, "-" * len(head)]
+    for r in results:
+        rec = "n/a" if r.recovery_s is None else f"{r.recovery_s:.2f}"
+        rows.append(f"{r.name:<20}{r.sent:>6}{r.completed:>6}{r.retryable_errors:>7}{r.lost:>6}{r.differing:>8}"
+                    f"{rec:>12}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    p.add_argument("--num-prompts", type=int, default=FaultConfig.num_prompts)
+    p.add_argument("--prompt-len", type=int, default=FaultConfig.prompt_len)
+    p.add_argument("--model", default=TINY_TRAINED)
+    p.add_argument("--out", default="bench-faults.json", help="JSON report path")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    names = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    config = FaultConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len)
+    t0 = time.perf_counter()
+    results = run_all(config, names, args.model)
+    print(format_table(results))
+    report = {"config": asdict(config), "wall_s": round(time.perf_counter() - t0, 1),
+              "scenarios": [asdict(r) | {"ok": r.ok} for r in results]}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"report: {args.out} ({report['wall_s']}s)")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
