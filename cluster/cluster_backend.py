@@ -101,9 +101,10 @@ class ClusterBackend:
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.config = config or BackendConfig()
-        self._replica_cls = ray.remote(TransferReplica).options(
+        self._replica_cls = ray.remote(TransferReplica)
+        self._replica_options = dict(
             num_cpus=self.config.replica_num_cpus, num_gpus=self.config.replica_num_gpus, max_restarts=0,
-            max_concurrency=self.config.replica_max_concurrency, scheduling_strategy="SPREAD")
+            max_concurrency=self.config.replica_max_concurrency)
         self._secret = secrets.token_hex(16)
         self._lock = threading.RLock()  # replicas, loads, jobs
         self._route_lock = threading.Lock()  # event sync + routing decisions, one at a time
@@ -148,8 +149,10 @@ class ClusterBackend:
     def add_replicas(self, n: int) -> list[str]:
         """Start `n` replicas (in parallel) and wait until they serve."""
         ids = [f"replica-{next(self._ids)}" for _ in range(n)]
-        actors = {rid: self._replica_cls.remote(rid, self.model_dir, self.engine_config, self.config.tp_size,
-                                                self.config.distributed_backend) for rid in ids}
+        placement = self._spread(n)
+        actors = {rid: self._replica_cls.options(**self._replica_options, scheduling_strategy=strategy).remote(
+                      rid, self.model_dir, self.engine_config, self.config.tp_size, self.config.distributed_backend)
+                  for rid, strategy in zip(ids, placement)}
         ray.get([a.set_transfer_secret.remote(self._secret) for a in actors.values()])
         infos = ray.get([a.describe.remote() for a in actors.values()])
         with self._lock:
@@ -160,6 +163,26 @@ class ClusterBackend:
                 self.replicas[rid] = _Replica(rid, actor, info)
         log.info("replicas up: %s", ", ".join(f"{i['replica_id']}@{i['node_id'][:8]}" for i in infos))
         return ids
+
+    def _spread(self, n: int) -> list:
+        """One scheduling strategy per new replica: the alive nodes holding the fewest replicas
+        first (soft node affinity: Ray may still place it elsewhere if that node lacks resources)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        if len(nodes) < 2:
+            return ["SPREAD"] * n
+        with self._lock:
+            count = {node: 0 for node in nodes}
+            for rep in self.replicas.values():
+                if rep.info["node_id"] in count:
+                    count[rep.info["node_id"]] += 1
+        out = []
+        for _ in range(n):
+            node = min(nodes, key=lambda x: (count[x], nodes.index(x)))
+            count[node] += 1
+            out.append(NodeAffinitySchedulingStrategy(node, soft=True))
+        return out
 
     def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:
         """Drain (no new requests), wait for its requests to finish, then stop it."""

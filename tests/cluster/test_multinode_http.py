@@ -32,6 +32,11 @@ def two_nodes(tmp_path_factory):
                                                             "include_dashboard": False})
     cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    deadline = time.monotonic() + 60
+    while sum(n["Alive"] for n in ray.nodes()) < 2 or ray.cluster_resources().get("CPU", 0) < 2:
+        assert time.monotonic() < deadline, ray.nodes()
+        time.sleep(0.2)
     yield cluster
     ray.shutdown()
     cluster.shutdown()

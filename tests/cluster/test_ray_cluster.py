@@ -102,3 +102,33 @@ def test_cache_service_death_routes_by_load_then_rebuilds_from_replicas(ray_sess
         assert served == holder and warm.num_cached_tokens == 576 and warm.token_ids == cold.token_ids
     finally:
         backend.shutdown()
+
+
+def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_session, tiny_dir):
+    """Regression: two requests moving pages holder -> other at once shared one channel and
+    deadlocked until gloo's timeout; transfers on a pair are now serialised."""
+    import time
+
+    backend = _backend(tiny_dir)
+    try:
+        prompts = [make_prompt(400, 90 + i) for i in range(3)]
+        colds = [backend.generate(p, PARAMS, replica_id=backend.replica_ids[0])[0] for p in prompts]
+        src, dst = backend.replica_ids
+        hit = 384
+        results = [None] * len(prompts)
+
+        def move(i):
+            results[i] = backend.transfer(prompts[i], None, src, dst, hit)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=move, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == [True] * len(prompts) and time.perf_counter() - t0 < 30
+        for p, cold in zip(prompts, colds):
+            warm, served = backend.generate(p, PARAMS, replica_id=dst)
+            assert served == dst and warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
+    finally:
+        backend.shutdown()
