@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tests.model.helpers import make_table, make_tokens, run_chunks
@@ -66,3 +68,50 @@ def test_context_zero_per_token_chunk(model):
     ref = _prefix_state(model, ids[:2])
     for layer, (_, ssm) in ref.items():
         torch.testing.assert_close(caches.ssm[layer][2], ssm, atol=ATOL, rtol=0)
+
+
+def _clone(caches):
+    return dataclasses.replace(
+        caches,
+        kv={i: (k.clone(), v.clone()) for i, (k, v) in caches.kv.items()},
+        conv={i: t.clone() for i, t in caches.conv.items()},
+        ssm={i: t.clone() for i, t in caches.ssm.items()},
+    )
+
+
+def test_one_pass_verify_equals_token_by_token_steps(model):
+    """Verify chunks (two of length 4 batched together, a fresh one of length 2) in one pass per Mamba
+    layer == the token-by-token path: 1-token decode steps, the state copied out after each."""
+    seqs = [  # (context, new, state slot, per-token slots or None)
+        (30, 4, 0, (9, 3, 7, 5)),
+        (20, 4, 1, (10, 11, 12, 13)),
+        (0, 2, 2, (14, 15)),
+        (10, 1, 4, None),  # a decode
+        (0, 5, 6, None),  # a prefill
+    ]
+    caches = model.allocate_caches(32, 16, 16)
+    ids = [make_tokens(ctx + new, seed=20 + s) for s, (ctx, new, _, _) in enumerate(seqs)]
+    tables = [torch.arange(4 * s, 4 * s + 3) for s in range(len(seqs))]
+    for (ctx, _, slot, _), seq, table in zip(seqs, ids, tables):
+        if ctx:
+            run_chunks(model, caches, seq[:ctx], [ctx], table, slot=slot)
+    ref = _clone(caches)
+    for ssm in caches.ssm.values():
+        ssm[2].normal_()  # stale contents of the fresh chunk's slot must be ignored
+    chunks = tuple(SeqChunk(ctx, new, table, slot, per) for (ctx, new, slot, per), table in zip(seqs, tables))
+    batch = ForwardBatch(torch.cat([seq[ctx:] for (ctx, *_), seq in zip(seqs, ids)]), chunks)
+    logits = model.compute_logits(model.forward(batch, caches))
+
+    ref_logits = []
+    for (ctx, new, slot, per), seq, table in zip(seqs, ids, tables):
+        if per is None:
+            ref_logits.append(run_chunks(model, ref, seq[ctx:], [new], table, slot=slot, start=ctx))
+            continue
+        for j, dst in enumerate(per):
+            ref_logits.append(run_chunks(model, ref, seq[ctx + j : ctx + j + 1], [1], table, slot, ctx + j))
+            ref.copy_state(slot, dst)
+    torch.testing.assert_close(logits, torch.cat(ref_logits), atol=ATOL, rtol=0)
+    for layer in caches.conv:
+        for s in range(16):
+            torch.testing.assert_close(caches.conv[layer][s], ref.conv[layer][s], atol=1e-5, rtol=0)
+            torch.testing.assert_close(caches.ssm[layer][s], ref.ssm[layer][s], atol=1e-5, rtol=0)

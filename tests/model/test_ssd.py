@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from workers.model.ssd import (
     causal_conv1d_ref,
+    causal_conv1d_states_ref,
     conv1d_update_ref,
+    selective_state_steps_ref,
     selective_state_update_ref,
     ssd_chunk_scan_ref,
 )
@@ -75,3 +77,35 @@ def test_conv_with_state_equals_full_conv(L, cut, K):
     torch.testing.assert_close(torch.cat(steps), full, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(pool[2], state)
     assert (pool[:2] == 0).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 3), L=st.integers(1, 5), seed=st.integers(0, 100),
+       state_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_state_steps_equal_token_by_token_updates(b, L, seed, state_dtype):
+    """The verify path's one-pass recurrence == L single-step updates on a pool of state_dtype."""
+    inputs = [_inputs(L, seed=seed + i) for i in range(b)]
+    x, dt, B, C = (torch.stack([inp[k] for inp in inputs]) for k in (0, 1, 3, 4))  # [b, L, ...]
+    A, D = inputs[0][2], inputs[0][5]
+    h0 = torch.stack([inp[6] for inp in inputs]).to(state_dtype)  # [b, H, P, N]
+    y, states = selective_state_steps_ref(h0, x, dt, A, B, C, D, state_dtype)
+    pool, slots = h0.clone(), torch.arange(b)
+    for j in range(L):
+        y_j = selective_state_update_ref(pool, slots, x[:, j], dt[:, j], A, B[:, j], C[:, j], D)
+        torch.testing.assert_close(y[:, j], y_j, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[:, j].to(state_dtype), pool, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 3), L=st.integers(1, 5), K=st.sampled_from([2, 4]), seed=st.integers(0, 100))
+def test_conv_states_equal_token_by_token_updates(b, L, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, L, 6, generator=g)
+    weight, bias = torch.randn(6, K, generator=g), torch.randn(6, generator=g)
+    state0 = torch.randn(b, 6, K - 1, generator=g)
+    y, states = causal_conv1d_states_ref(x, state0, weight, bias, "silu")
+    pool, slots = state0.clone(), torch.arange(b)
+    for j in range(L):
+        y_j = conv1d_update_ref(x[:, j], pool, slots, weight, bias, "silu")
+        torch.testing.assert_close(y[:, j], y_j, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[:, j], pool, atol=0, rtol=0)

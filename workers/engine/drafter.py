@@ -47,30 +47,30 @@ class MTPDrafter:
     def _table(self, req: Request) -> torch.Tensor:
         return torch.tensor([b.block_id for b in req.draft_blocks], dtype=torch.long)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
         if not inputs:
             return {}
-        chunks = [self._chunk(i.start, len(i.next_token_ids), self._table(i.req), 0) for i in inputs]
+        tables = [self._table(i.req) for i in inputs]  # fixed for the whole chain
+        chunks = [self._chunk(i.start, len(i.next_token_ids), t, 0) for i, t in zip(inputs, tables)]
         ids = torch.tensor([t for i in inputs for t in i.next_token_ids], dtype=torch.long)
         hidden = torch.cat([i.hidden for i in inputs])
         out = self.model.mtp.forward(hidden, self._batch(ids, tuple(chunks)), self.caches)
         drafts: dict[str, list[int]] = {}
         last_rows, row = [], 0
-        for i in inputs:
+        for i, table in zip(inputs, tables):
             m = len(i.next_token_ids)
             i.req.num_draft_computed_tokens = i.start + m
             row += m
             if i.propose:
-                last_rows.append((i, row - 1))
+                last_rows.append((i, table, row - 1))
         if not last_rows:
             return drafts
-        proposing = [i for i, _ in last_rows]
-        tables = [self._table(i.req) for i in proposing]  # fixed for the whole chain
-        h = out[[r for _, r in last_rows]]  # [b, hidden]
+        proposing = [i for i, _, _ in last_rows]
+        tables = [t for _, t, _ in last_rows]
+        h = out[[r for _, _, r in last_rows]]  # [b, hidden]
         tokens = torch.argmax(self.model.compute_logits(h), dim=-1)  # [b]
-        for i, t in zip(proposing, tokens.tolist()):
-            drafts[i.req.request_id] = [t]
+        chain = [tokens]
         for j in range(1, self.num_spec_tokens):
             chunks = [
                 self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, table, 0)
@@ -78,6 +78,7 @@ class MTPDrafter:
             ]
             h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks)), self.caches)
             tokens = torch.argmax(self.model.compute_logits(h), dim=-1)
-            for i, t in zip(proposing, tokens.tolist()):
-                drafts[i.req.request_id].append(t)
+            chain.append(tokens)
+        for i, row in zip(proposing, torch.stack(chain, dim=1).tolist()):  # [b, k]: one read-back
+            drafts[i.req.request_id] = row
         return drafts

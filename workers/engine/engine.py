@@ -141,7 +141,7 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     # ---- the step -------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per op than no_grad; nothing made here is mutated outside a step
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -234,7 +234,8 @@ class LLMEngine:
                 accepted += 1
             proposal = drafts[:accepted] + [target[accepted]]
             req.num_draft_accepted += accepted
-            self.caches.copy_state(req.verify_slots[accepted].block_id, req.state_slot.block_id)
+            if accepted < len(drafts):  # else state_slot already holds the state after the whole chunk
+                self.caches.copy_state(req.verify_slots[accepted].block_id, req.state_slot.block_id)
         else:
             accepted = 0
             proposal = [req.sampler.sample(logits[0])]

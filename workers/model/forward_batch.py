@@ -11,6 +11,7 @@ order:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -42,6 +43,30 @@ class SeqChunk:
         return self.num_context_tokens + self.num_new_tokens
 
 
+Index = slice | torch.Tensor  # a slice where the ids are consecutive (a view, no gather), else int64 ids
+
+
+def as_index(ids: list[int]) -> Index:
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class VerifyGroup:
+    """The verify chunks (per_token_state_slots set) of one length L in a batch, for one Mamba pass.
+
+    rows [b*L] of the batch and token_slots [b*L] (per-token state slots) in chunk-major token order;
+    state_slots [b]; fresh_slots: the state slots of chunks with context 0 (read as zeros)."""
+
+    num_chunks: int
+    num_new_tokens: int
+    rows: Index
+    state_slots: Index
+    token_slots: Index
+    fresh_slots: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     """input_ids: int64 [T], the chunks' new tokens concatenated in chunk order."""
@@ -60,6 +85,26 @@ class ForwardBatch:
             out.append(slice(start, start + chunk.num_new_tokens))
             start += chunk.num_new_tokens
         return out
+
+    @cached_property
+    def verify_groups(self) -> tuple[VerifyGroup, ...]:
+        """Verify chunks grouped by length (computed once per batch, shared by all Mamba layers).
+        Index tensors are on the CPU: callers move them to their device."""
+        by_len: dict[int, list[int]] = {}
+        for i, c in enumerate(self.chunks):
+            if c.per_token_state_slots is not None:
+                by_len.setdefault(c.num_new_tokens, []).append(i)
+        rows, groups = self.row_slices(), []
+        for n, members in by_len.items():
+            chunks = [self.chunks[i] for i in members]
+            groups.append(VerifyGroup(
+                len(chunks), n,
+                as_index([t for i in members for t in range(rows[i].start, rows[i].stop)]),
+                as_index([c.state_slot for c in chunks]),
+                as_index([s for c in chunks for s in c.per_token_state_slots]),
+                tuple(c.state_slot for c in chunks if c.num_context_tokens == 0),
+            ))
+        return tuple(groups)
 
     def positions(self) -> torch.Tensor:
         """int64 [T]: the position of every new token in its sequence."""

@@ -7,8 +7,10 @@
     out = out_proj(GatedRMSNorm(y, z))       (norm over ngroups groups, gate silu(z) applied first)
 
 Every chunk starts from its state slot (zeros when num_context_tokens == 0) and leaves its final state
-there. One-token chunks of the batch go through a single batched recurrence step; chunks with
-per_token_state_slots run token by token so the state after every token can be copied out.
+there. One-token chunks of the batch go through a single batched recurrence step (kernels.conv1d_update /
+state_update). Verify chunks (per_token_state_slots) of equal length go through one pass of the torch
+references causal_conv1d_states_ref / selective_state_steps_ref, whatever the kernel set: they return the
+state after every token, written straight into its per-token slot (one copy per pool and layer).
 
 Note: transformers clamps dt only in its chunked path, not in its cached one-token step; we clamp in
 both, so decode here equals a full no-cache forward of the same prefix.
@@ -21,10 +23,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import ForwardBatch
+from workers.model.forward_batch import ForwardBatch, Index, VerifyGroup
 from workers.model.kernels import KernelSet
 from workers.model.norms import GatedRMSNorm
-from workers.model.ssd import causal_conv1d_ref
+from workers.model.ssd import causal_conv1d_ref, causal_conv1d_states_ref, selective_state_steps_ref
+
+
+def _on(index: Index, device: torch.device) -> Index:
+    return index if isinstance(index, slice) else index.to(device)
+
+
+def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
+    """pool[index] = src.flatten(0, 1) as one copy; src [b, L, ...] (any strides)."""
+    if isinstance(index, slice):
+        pool[index].view(src.shape).copy_(src)
+    else:
+        pool.index_copy_(0, index, src.reshape(-1, *pool.shape[1:]).to(pool.dtype))
 
 
 class Mamba2Mixer(nn.Module):
@@ -83,6 +97,44 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_xbc(xbc)
         return self.kernels.state_update(ssm_pool, slots, x, dt, A, B, C, self.D)  # [B, H, P]
 
+    def _verify(
+        self,
+        group: VerifyGroup,
+        xbc_raw: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        y: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> None:
+        """All tokens of a group's verify chunks at once: y rows filled, the state after every token
+        written straight into its per-token slot (one copy per pool), the last one into state_slot."""
+        nb, L = group.num_chunks, group.num_new_tokens
+        rows, slots, dst = (_on(i, xbc_raw.device) for i in (group.rows, group.state_slots, group.token_slots))
+        if group.fresh_slots:
+            conv_pool[list(group.fresh_slots)] = 0
+            ssm_pool[list(group.fresh_slots)] = 0
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
+        xbc, conv_states = causal_conv1d_states_ref(
+            xbc_raw[rows].view(nb, L, self.conv_dim), conv_pool[slots], weight, self.conv1d.bias, "silu"
+        )  # [b, L, conv_dim], [b, L, conv_dim, d_conv-1]
+        x, B, C = self._split_xbc(xbc.reshape(nb * L, self.conv_dim))
+        y_group, ssm_states = selective_state_steps_ref(
+            ssm_pool[slots],
+            x.view(nb, L, self.nheads, self.head_dim),
+            dt[rows].view(nb, L, self.nheads),
+            A,
+            B.view(nb, L, self.ngroups, self.d_state),
+            C.view(nb, L, self.ngroups, self.d_state),
+            self.D,
+            ssm_pool.dtype,
+        )  # [b, L, H, P], [b, L, H, P, N]
+        y[rows] = y_group.view(nb * L, self.nheads, self.head_dim)
+        _write(conv_pool, dst, conv_states)
+        _write(ssm_pool, dst, ssm_states)
+        _write(conv_pool, slots, conv_states[:, -1:])  # last: a per-token slot may be the state slot
+        _write(ssm_pool, slots, ssm_states[:, -1:])
+
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
     ) -> torch.Tensor:
@@ -110,24 +162,13 @@ class Mamba2Mixer(nn.Module):
             slots = torch.tensor([batch.chunks[i].state_slot for i in decodes], device=device)  # [B]
             y[idx] = self._step(xbc_raw[idx], dt[idx], A, slots, conv_pool, ssm_pool)
 
+        for group in batch.verify_groups:
+            self._verify(group, xbc_raw, dt, A, y, conv_pool, ssm_pool)
+
         for i, chunk in enumerate(batch.chunks):
-            if i in decode_set:
+            if i in decode_set or chunk.per_token_state_slots is not None:
                 continue
             r, slot = rows[i], chunk.state_slot
-            if chunk.per_token_state_slots is not None:
-                if chunk.num_context_tokens == 0:
-                    conv_pool[slot] = 0
-                    ssm_pool[slot] = 0
-                slot_t = torch.tensor([slot], device=device)
-                for j, dst in enumerate(chunk.per_token_state_slots):
-                    t = r.start + j
-                    y[t : t + 1] = self._step(
-                        xbc_raw[t : t + 1], dt[t : t + 1], A, slot_t, conv_pool, ssm_pool
-                    )
-                    if dst != slot:
-                        conv_pool[dst].copy_(conv_pool[slot])
-                        ssm_pool[dst].copy_(ssm_pool[slot])
-                continue
             has_context = chunk.num_context_tokens > 0
             xbc, conv_state = causal_conv1d_ref(
                 xbc_raw[r], weight, self.conv1d.bias, conv_pool[slot] if has_context else None, "silu"

@@ -161,3 +161,63 @@ def selective_state_update_ref(
     if D is not None:
         y = y + D.float()[:, None] * x
     return y
+
+
+def causal_conv1d_states_ref(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L tokens for each of B sequences, keeping the conv state after every token (verify chunks).
+
+    x [B, L, C_], conv_state [B, C_, K-1]. Returns y [B, L, C_] (in x's dtype) and states
+    [B, L, C_, K-1] (a strided view): states[:, j] = the last K-1 inputs after token j.
+    """
+    K = weight.shape[1]
+    xs = torch.cat([conv_state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+L, C_]
+    windows = xs.unfold(1, K, 1)  # [B, L, C_, K]: token j's window, as conv1d_update_ref sees it
+    y = (windows.to(weight.dtype) * weight).sum(-1)  # [B, L, C_]
+    if bias is not None:
+        y = y + bias
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return y.to(x.dtype), windows[..., 1:]
+
+
+def selective_state_steps_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    state_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L recurrence steps for each of B sequences, keeping the state after every token (verify chunks).
+
+    state [B, H, P, N] (the state before the first token), x [B, L, H, P], dt [B, L, H] (discretised),
+    A [H], B and C [B, L, G, N], D [H] or None. Returns y [B, L, H, P] float32 and states
+    [B, L, H, P, N] float32. Step by step as selective_state_update_ref with a pool of `state_dtype`:
+    each step's output uses the unrounded state, the next step starts from it rounded.
+    """
+    Bsz, L, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    x, dt = x.float(), dt.float()
+    dA = torch.exp(dt * A.float()).view(Bsz, L, H, 1, 1)  # [B, L, H, 1, 1]
+    xdt = (dt[..., None] * x).view(Bsz, L, G, H // G * P, 1)  # [B, L, G, H/G*P, 1]: heads of a group
+    dBx = (xdt * B.float()[:, :, :, None, :]).view(Bsz, L, H, P, N)  # [B, L, H, P, N]
+    states = torch.empty_like(dBx)  # [B, L, H, P, N]
+    h = state.float()  # [B, H, P, N]
+    for j in range(L):
+        torch.addcmul(dBx[:, j], h, dA[:, j], out=states[:, j])
+        h = states[:, j] if state_dtype == torch.float32 else states[:, j].to(state_dtype).float()
+    y = torch.einsum("blgqn,blgn->blgq", states.view(Bsz, L, G, H // G * P, N), C.float())  # [B, L, G, H/G*P]
+    y = y.reshape(Bsz, L, H, P)
+    if D is not None:
+        y = y + D.float()[:, None] * x
+    return y, states
