@@ -165,11 +165,15 @@ class ClusterBackend:
         return ids
 
     def _spread(self, n: int) -> list:
-        """One scheduling strategy per new replica: the alive nodes holding the fewest replicas
-        first (soft node affinity: Ray may still place it elsewhere if that node lacks resources)."""
+        """One scheduling strategy per new replica: the alive nodes that have the replica's
+        resources and hold the fewest replicas first (node affinity; Ray's soft affinity and
+        SPREAD were seen stacking replicas on one node while another was idle)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        cpus, gpus = self.config.replica_num_cpus, self.config.replica_num_gpus
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")
+                 and node.get("Resources", {}).get("CPU", 0) >= cpus
+                 and node.get("Resources", {}).get("GPU", 0) >= gpus]
         if len(nodes) < 2:
             return ["SPREAD"] * n
         with self._lock:
@@ -181,7 +185,7 @@ class ClusterBackend:
         for _ in range(n):
             node = min(nodes, key=lambda x: (count[x], nodes.index(x)))
             count[node] += 1
-            out.append(NodeAffinitySchedulingStrategy(node, soft=True))
+            out.append(NodeAffinitySchedulingStrategy(node, soft=False))
         return out
 
     def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:

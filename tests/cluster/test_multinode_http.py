@@ -7,6 +7,7 @@ a replica warmed by transfers and removes it when idle."""
 
 import json
 import os
+import tempfile
 import threading
 import time
 
@@ -26,7 +27,7 @@ def two_nodes(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray2"))
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rm-", dir="/tmp")  # short: unix socket paths
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every address on loopback
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False})
@@ -78,8 +79,11 @@ def _stream(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[list[int]
 
 def test_replicas_live_on_different_nodes(served):
     _, server = served
+    import ray
+
     nodes = {r["node_id"] for r in server.backend.stats()["replicas"].values()}
-    assert len(nodes) == 2
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 2, (nodes, alive, server.backend._spread(2))
 
 
 def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
