@@ -89,31 +89,13 @@ def two_node_cluster(num_cpus_per_node: int = 1):
         cluster.shutdown()
 
 
-@contextlib.contextmanager
 def serving(backend, model_dir: str):
-    """The OpenAI front end over `backend` under uvicorn on 127.0.0.1; yields its URL."""
-    import socket
-
-    import uvicorn
-
+    """The OpenAI front end over `backend` under uvicorn on 127.0.0.1 (a context manager; yields its URL)."""
     from cluster.frontend import create_app
+    from cluster.local_http import serve_app
     from cluster.tokenizer import load_tokenizer
 
-    app = create_app(backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serve_app(create_app(backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir)))
 
 
 @dataclass

@@ -1,16 +1,13 @@
 """The OpenAI-compatible front end, for real: uvicorn on 127.0.0.1, httpx as the client."""
 
-import contextlib
 import json
 import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from cluster.frontend import create_app
+from cluster.local_http import serve_app  # noqa: F401 - re-exported for other tests
 from tests.conftest import make_engine, make_prompt
 from workers.engine_runner import EngineRunner
 
@@ -19,24 +16,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve_app(app):
-    """Runs `app` under a real uvicorn on 127.0.0.1; yields its base URL."""
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
