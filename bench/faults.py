@@ -212,7 +212,16 @@ def run_scenario(env: Env, name: str) -> ScenarioResult:
         time.sleep(0.01)
     time.sleep(config.fault_after_s)
     if name in ("drop_events", "reorder_events"):
-        ray.get(_actor(env, victims[0]).inject_event_fault.remote(name.split("_")[0]))
+        victim = victims[0]
+        ray.get(_actor(env, victim).inject_event_fault.remote(name.split("_")[0]))
+        # the fault fires on the victim's next event batch: if the traffic has moved elsewhere,
+        # give the victim one request of its own (scored like the rest) so that it does fire
+        time.sleep(2.0)
+        if ray.get(_actor(env, victim).fault_time.remote(), timeout=10) is None:
+            i = 0
+            res, _ = backend.generate(env.prompts[i], env.params(), cache_salt=f"{prompt_salt}-fire",
+                                      replica_id=victim)
+            extra = [(i, "200", None, list(res.token_ids))]
     elif name == "corrupt_transfer":
         ray.get([_actor(env, r).inject_transfer_fault.remote() for r in victims])
         extra = _forced(env, prompt_salt)

@@ -355,6 +355,9 @@ class ClusterBackend:
             job.stream.put(out)
             if out.finished:
                 return True
+        if job.cancelled:  # aborted (client gone): the replica ended the stream on purpose
+            job.stream.put(StreamEnd())
+            return True
         raise _StreamBroken(f"replica {target} ended the stream early")
 
     def _release(self, replica_id: str, cost: int) -> None:

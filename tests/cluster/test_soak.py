@@ -81,6 +81,7 @@ def test_full_cluster_backend_answers_429_with_retry_after(tiny_dir):
         deadline = time.monotonic() + 30
         while backend.num_unfinished and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert len(backend.replica_ids) == 1 and backend.counters["replica_deaths"] == 0  # an abort is no death
         r = client.post("/v1/completions", json={"prompt": make_prompt(64, 4), "max_tokens": 4})
         assert r.status_code == 200  # room again once the in-flight requests are gone
     finally:
