@@ -50,8 +50,12 @@ SERVICE_TIMEOUT_S = 10.0
 _OUTPUT_FIELDS = {f.name for f in dataclasses.fields(RequestOutput)}
 
 
-class ReplicaFailedError(RuntimeError):
-    """The replica serving a request died and the request cannot be resumed elsewhere; retryable."""
+class ReplicaFailedError(ServerOverloadedError):
+    """The replica serving a request died and the request cannot be resumed elsewhere; retryable
+    (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s)
 
 
 class _StreamBroken(RuntimeError):

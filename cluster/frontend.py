@@ -160,7 +160,7 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
         item = task.result()
         if isinstance(item, StreamEnd):
             error = stream_error(item)
-            raise HttpError(error["code"], error["message"], "server_error")
+            raise HttpError(error["code"], error["message"], error["type"])
         return item
 
     def streaming(stream: RequestStream, started_s: float, chunks) -> StreamingResponse:

@@ -39,8 +39,16 @@ def usage(out: RequestOutput) -> dict:
 
 
 def stream_error(item: StreamEnd) -> dict:
+    """The OpenAI-shaped error for a stream that ended without a finished output: 400 for a
+    request the backend refused late, 503 (retryable) when no replica could finish it, else 500."""
+    from workers.engine.errors import InvalidRequestError, ServerOverloadedError
+
     if item.error is None:
         return {"message": "request aborted", "type": "server_error", "param": None, "code": 503}
+    if isinstance(item.error, InvalidRequestError):
+        return {"message": str(item.error), "type": "invalid_request_error", "param": None, "code": 400}
+    if isinstance(item.error, ServerOverloadedError):
+        return {"message": f"{item.error} (retry)", "type": "server_error", "param": None, "code": 503}
     return {"message": f"backend failed: {item.error}", "type": "server_error", "param": None, "code": 500}
 
 

@@ -215,3 +215,16 @@ def test_backend_failures_are_json_errors_and_sse_error_events():
     assert 'hybridserve_transfers_total{outcome="failed"} 1.0' in text
     assert "hybridserve_transfer_seconds_count 2.0" in text and "hybridserve_transfer_bytes_total 4096.0" in text
     assert 'hybridserve_requests_total{status="error"} 2.0' in text
+
+
+def test_stream_errors_map_to_their_status():
+    """A late refusal is a 400, a request no replica could finish a retryable 503, anything else a 500."""
+    from cluster.streaming import stream_error
+    from workers.engine.errors import InvalidRequestError, ServerOverloadedError
+    from workers.engine_runner import StreamEnd
+
+    assert stream_error(StreamEnd(InvalidRequestError("too big")))["code"] == 400
+    retry = stream_error(StreamEnd(ServerOverloadedError("replica died mid-stream: retry")))
+    assert retry["code"] == 503 and "retry" in retry["message"]
+    assert stream_error(StreamEnd(RuntimeError("boom")))["code"] == 500
+    assert stream_error(StreamEnd())["code"] == 503  # aborted
