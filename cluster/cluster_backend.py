@@ -38,7 +38,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import NoReplicaError, RouteDecision, RouterConfig
 from cache_service.service import CacheService
-from workers.engine.errors import InvalidRequestError, ServerOverloadedError
+from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
 from workers.engine_runner import RequestStream, StreamEnd
@@ -132,7 +132,6 @@ class ClusterBackend:
                               self.config.router)
         self.service = ray.remote(CacheService).options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(
             *self._service_args)
-        self._service_epoch = None
         with self._route_lock:
             self._sync()
         self._stop = threading.Event()
@@ -253,7 +252,7 @@ class ClusterBackend:
                request_id: str | None = None, replica_id: str | None = None, _report: bool = False) -> RequestStream:
         """Validate and accept; raises `InvalidRequestError` or `ServerOverloadedError` at once."""
         prompt = list(prompt_token_ids)
-        self._validate(prompt)
+        validate_prompt(prompt, self.limits["vocab_size"], self.limits["max_model_len"])
         with self._lock:
             if len(self._jobs) >= self.config.max_inflight:
                 raise ServerOverloadedError(f"{len(self._jobs)} requests in flight (max {self.config.max_inflight})",
@@ -282,20 +281,6 @@ class ClusterBackend:
         stream = self.submit(prompt_token_ids, params, cache_salt, replica_id=replica_id, _report=True)
         outputs = list(stream)
         return outputs[-1], self._served_by.pop(stream.request_id, None)
-
-    def _validate(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise InvalidRequestError("prompt token ids must be integers")
-        vocab = self.limits["vocab_size"]
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})")
-        limit = self.limits["max_model_len"]
-        if len(prompt) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens; max_model_len is {limit} (prompt + at least 1 output)")
 
     # ---- serving one request (a worker thread) ----------------------------------------------------
     def _serve(self, job: _Job) -> None:
@@ -353,9 +338,10 @@ class ClusterBackend:
                 continue  # a prefill chunk, or tokens the caller already has
             out = dataclasses.replace(out, new_token_ids=tuple(tokens[len(delivered):]))
             delivered[:] = tokens
-            if out.finished and job.report_replica:
-                self._served_by[job.msg.request_id] = target
-                self._remember(job.msg, out)
+            if out.finished:
+                self._remember(job.msg)
+                if job.report_replica:
+                    self._served_by[job.msg.request_id] = target
             job.stream.put(out)
             if out.finished:
                 return True
@@ -404,30 +390,32 @@ class ClusterBackend:
     def _decide(self, msg: GenerateMsg, idle: bool = False) -> tuple[RouteDecision | None, dict[str, int]]:
         """Sync, then ask the service. Returns (decision or None for load-only, the routable
         replicas with their queued tokens). Raises `NoReplicaError` when no replica is alive."""
-        decision = None
         try:
             self._sync()
+            service_up = True
         except (RayActorError, GetTimeoutError) as exc:
-            self.counters["load_only"] += 1
-            log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
-            decision = False
+            self._service_down(exc)
+            service_up = False
         with self._lock:
             active = {r: 0 if idle else rep.queued_tokens for r, rep in self.replicas.items() if not rep.draining}
         if not active:
             raise NoReplicaError("no live replica")
-        if decision is False:
+        if not service_up:
             return None, active
         try:
             decision = ray.get(self.service.route.remote(msg.prompt_token_ids, msg.cache_salt, active),
                                timeout=SERVICE_TIMEOUT_S)
-            self.counters["routed"] += 1
-            return decision, active
         except NoReplicaError:
             return None, active  # the (restarted) index knows no replica yet: load only this time
         except (RayActorError, GetTimeoutError) as exc:
-            self.counters["load_only"] += 1
-            log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
+            self._service_down(exc)
             return None, active
+        self.counters["routed"] += 1
+        return decision, active
+
+    def _service_down(self, exc: BaseException) -> None:
+        self.counters["load_only"] += 1
+        log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
 
     def _sync(self) -> None:
         """Pull events from every replica into the service; resync replicas it cannot follow."""
@@ -471,14 +459,22 @@ class ClusterBackend:
         return rep.next_seq
 
     # ---- transfers ------------------------------------------------------------------------------
-    def _maybe_transfer(self, msg: GenerateMsg, decision: RouteDecision, target: str) -> None:
+    @staticmethod
+    def _better_holder(decision: RouteDecision, target: str):
+        """The replica that would hit more of the prompt than `target` does, or None."""
         here = next((e.hit_tokens for e in decision.estimates if e.replica_id == target), 0)
+        holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
+        if holder is not None and holder.replica_id != target and holder.hit_tokens > here:
+            return holder
+        return None
+
+    def _maybe_transfer(self, msg: GenerateMsg, decision: RouteDecision, target: str) -> None:
         if decision.transfer is not None and decision.transfer.dst_replica == target:
             self.transfer(msg.prompt_token_ids, msg.cache_salt, decision.transfer.src_replica, target,
                           decision.transfer.num_tokens)
             return
-        holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
-        if holder is not None and holder.replica_id != target and holder.hit_tokens > here:
+        holder = self._better_holder(decision, target)
+        if holder is not None:
             self.transfer(msg.prompt_token_ids, msg.cache_salt, holder.replica_id, target, holder.hit_tokens)
 
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
@@ -511,8 +507,8 @@ class ClusterBackend:
             self.metrics.record_transfer(ok, time.perf_counter() - t0, nbytes)
         return ok
 
-    def _remember(self, msg: GenerateMsg, out: RequestOutput) -> None:
-        """Keep the most recent prompts that hit (or were long), to warm new replicas with."""
+    def _remember(self, msg: GenerateMsg) -> None:
+        """Keep the most recently served prompts (by use count), to warm new replicas with."""
         align = self.limits["alignment"]
         length = (len(msg.prompt_token_ids) - 1) // align * align
         if length <= 0:
@@ -533,9 +529,8 @@ class ClusterBackend:
                 decision, _ = self._decide(GenerateMsg(list(prompt), cache_salt=salt), idle=True)
             if decision is None:
                 break
-            holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
-            here = next((e.hit_tokens for e in decision.estimates if e.replica_id == replica_id), 0)
-            if holder is not None and holder.replica_id != replica_id and holder.hit_tokens > here:
+            holder = self._better_holder(decision, replica_id)
+            if holder is not None:
                 done += self.transfer(list(prompt), salt, holder.replica_id, replica_id, holder.hit_tokens)
         return done
 

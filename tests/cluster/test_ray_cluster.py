@@ -132,3 +132,20 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
             assert served == dst and warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
     finally:
         backend.shutdown()
+
+
+def test_prompts_served_through_submit_warm_a_new_replica(ray_session, tiny_dir):
+    """Regression: only `generate` (tests) recorded hot prefixes, so HTTP traffic never warmed
+    an autoscaled replica."""
+    from cluster.cluster_backend import BackendConfig, ClusterBackend
+
+    backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=1))
+    try:
+        prompt = make_prompt(500, 95)
+        cold = list(backend.submit(prompt, PARAMS))[-1]  # the front end's path
+        (new,) = backend.add_replicas(1)
+        assert backend.warm(new) == 1
+        warm, served = backend.generate(prompt, PARAMS, replica_id=new)
+        assert served == new and warm.num_cached_tokens == 448 and warm.token_ids == cold.token_ids
+    finally:
+        backend.shutdown()

@@ -25,7 +25,7 @@ from cache_service.events import EventSink
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import Drafter, DraftInput, MTPDrafter
-from workers.engine.errors import EngineConfigError, InvalidRequestError
+from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
@@ -86,18 +86,8 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise InvalidRequestError("prompt token ids must be integers")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
-        if len(prompt) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens; max_model_len is {limit} (prompt + at least 1 output)"
-            )
+        validate_prompt(prompt, self.vocab_size, limit)
         if params.max_tokens > limit - len(prompt):
             params = dataclasses.replace(params, max_tokens=limit - len(prompt))
         request_id = request_id or f"req-{next(self._ids)}"
