@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,6 @@ class ReplicaUnhealthyError(RuntimeError):
 
 
 EVENT_FAULTS = ("drop", "reorder")
-
-
-@dataclass(frozen=True)
-class ReplicaLoadMsg:
-    replica_id: str
-    num_unfinished: int
-    extra: dict = field(default_factory=dict)
 
 
 class Replica:
@@ -124,10 +117,6 @@ class Replica:
             if self._broken is not None:
                 raise ReplicaUnhealthyError(f"{self.replica_id}: {self._broken}") from exc
             raise
-
-    def generate(self, msg: GenerateMsg) -> dict:
-        *_, final = self.generate_stream(msg)
-        return final | {"replica_id": self.replica_id}
 
     def abort(self, request_id: str) -> None:
         self.runner.abort(request_id)
@@ -206,9 +195,6 @@ class Replica:
         return self.fault_fired_s
 
     # ---- facts --------------------------------------------------------------------------------
-    def load(self) -> ReplicaLoadMsg:
-        return ReplicaLoadMsg(self.replica_id, self.runner.num_unfinished)
-
     def describe(self) -> dict:
         """What the controller needs once: layout, EAGLE mode, fingerprint, limits, placement."""
         import ray
@@ -222,15 +208,6 @@ class Replica:
         ctx = ray.get_runtime_context()
         return info | {"replica_id": self.replica_id, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                        "node_ip": ray.util.get_node_ip_address(), "tp_size": self.tp_size}
-
-    def layout_groups(self) -> list[str]:
-        return self.runner.call(lambda e: e.cache.layout.describe())
-
-    def eagle_mode(self) -> str:
-        return self.runner.call(lambda e: e.cache.coordinator.eagle.value)
-
-    def model_fingerprint(self) -> str:
-        return self.runner.call(lambda e: e.config.model_fingerprint)
 
     def ping(self) -> str:
         self._check_health()
