@@ -19,6 +19,9 @@ class EngineConfig:
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
     num_spec_tokens: int = 3  # MTP draft tokens per step; 0 disables speculation
     eagle_mode: EagleMode = EagleMode.LOSSLESS  # drop | lossless (ignored without speculation)
+    # how a dropping draft group proves the successor token: lookahead (the block starting at the
+    # hit is cached) | alignment (older engines: one alignment unit lost per hit)
+    drop_rule: str = "lookahead"
     retention: str = "latest"  # latest | dense | interval in tokens
     enable_prefix_caching: bool = True
     kernels: str = "auto"  # auto | torch | cuda
@@ -40,6 +43,8 @@ class EngineConfig:
             raise EngineConfigError(f"eagle_mode must be drop or lossless, got {self.eagle_mode!r}") from None
         if self.eagle_mode is EagleMode.OFF and self.num_spec_tokens:
             raise EngineConfigError("eagle_mode off cannot be combined with speculation; use drop or lossless")
+        if self.drop_rule not in ("lookahead", "alignment"):
+            raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}")
         if self.kernels not in ("auto", "torch", "cuda"):
             raise EngineConfigError(f"kernels must be auto, torch or cuda, got {self.kernels!r}")
 
