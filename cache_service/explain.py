@@ -90,7 +90,8 @@ def parse_scenario(argv: list[str]) -> tuple[Scenario, bool]:
         raise UsageError(f"--drop-rule must be lookahead or alignment, got {args.drop_rule!r}") from None
     make_retention(args.retention, layout.alignment)  # validate early
     scenario = Scenario(
-        groups=groups, prompt_len=prompt_len, resend_len=resend_len, eagle=eagle, draft_groups=draft, drop_rule=drop_rule,
+        groups=groups, prompt_len=prompt_len, resend_len=resend_len, eagle=eagle, draft_groups=draft,
+        drop_rule=drop_rule,
         retention=args.retention, num_spec_tokens=k, eagle_aware_retention=not args.no_eagle_aware_retention,
         cache_salt=args.cache_salt,
     )

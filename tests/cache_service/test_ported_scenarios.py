@@ -22,7 +22,8 @@ def cold_then(groups, prompt, eagle=EagleMode.DROP, retention="latest", rule="lo
 
 def cached_ends(cache, group, hashes, n):
     spec = cache.coordinator.layout.groups[group]
-    return {e for e in range(spec.block_size, n + 1, spec.block_size) if hashes.prefix_hash(e) in cache.pools[group].cached}
+    pool = cache.pools[group]
+    return {e for e in range(spec.block_size, n + 1, spec.block_size) if hashes.prefix_hash(e) in pool.cached}
 
 
 # ---- vLLM test_eagle_enabled_removes_last_block / test_eagle_with_partial_blocks ---------------
