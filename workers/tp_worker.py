@@ -19,11 +19,10 @@ import time
 import torch
 
 from workers.model.config import HybridModelConfig
-from workers.model.kernels import select_kernels
 from workers.model.loader import checkpoint_files, load_model, model_fingerprint
 from workers.model.tensor_parallel import TPModel, serve_tp_commands
 from workers.model.tp_group import TPGroup, free_tcp_init_method
-from workers.model.tp_shard import attach_group, shard_model, validate_tp_size
+from workers.model.tp_shard import attach_group, validate_tp_size
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +40,10 @@ def check_tp_size(model_dir: str, tp_size: int) -> HybridModelConfig:
 
 def load_shard(model_dir: str, tp_size: int, rank: int, *, backend: str = "gloo",
                dtype: torch.dtype = torch.float32, kernels: str = "auto"):
-    """Rank `rank`'s shard (HybridForCausalLM built from the local config), not yet in a group."""
+    """Rank `rank`'s shard (HybridForCausalLM built from the local config), not yet in a group: the
+    loader streams only this rank's slices in (never the full model)."""
     device = _device(backend)
-    full = load_model(model_dir, dtype=dtype, device="cpu", kernels="torch")
-    return shard_model(full, tp_size, rank, kernels=select_kernels(kernels, device), device=device)
+    return load_model(model_dir, dtype=dtype, device=device, kernels=kernels, tp_size=tp_size, tp_rank=rank)
 
 
 class TPWorker:

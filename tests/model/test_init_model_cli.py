@@ -56,7 +56,7 @@ def test_bad_yaml_exits_2_with_one_line(tmp_path, capsys, text, needle):
 
 def test_unsupported_layer_and_missing_file_exit_2(tmp_path, capsys):
     moe = tmp_path / "moe.yaml"
-    moe.write_text(TINY_YAML.read_text().replace('"M-M*-M-M*-"', '"M-E*"'))
+    moe.write_text(TINY_YAML.read_text().replace('"M-M*-M-M*-"', '"M-X*"'))
     assert main(["--config", str(moe), "--out", str(tmp_path / "o")]) == 2
     assert "layer 2" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 2

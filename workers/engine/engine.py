@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         mconf = model.config
         self.vocab_size = mconf.vocab_size
-        self.eos_token_id = getattr(mconf, "eos_token_id", None)
+        self.eos_token_ids = mconf.eos_token_ids  # config.json's eos_token_id: an int or a list
         self.speculative = config.num_spec_tokens > 0 and (model.mtp is not None or drafter is not None)
         if config.num_spec_tokens > 0 and not self.speculative:
             log.info("checkpoint has no MTP head: speculative decoding disabled")
@@ -261,8 +261,8 @@ class LLMEngine:
         """Append sampled tokens, stopping at a stop token or the length limit."""
         out = []
         stops = set(req.params.stop_token_ids)
-        if self.eos_token_id is not None and not req.params.ignore_eos:
-            stops.add(self.eos_token_id)
+        if not req.params.ignore_eos:
+            stops.update(self.eos_token_ids)
         reason = None
         for t in tokens:
             out.append(t)
