@@ -43,7 +43,8 @@ def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
 
 class Mamba2Mixer(nn.Module):
     """Parameter names match transformers' NemotronHMamba2Mixer (Granite's / Bamba's `mamba` too).
-    Shard-friendly: a TP rank holds nheads/tp heads, ngroups/tp groups, and the matching rows of in_proj / columns of out_proj."""
+    Shard-friendly: a TP rank holds nheads/tp heads, ngroups/tp groups, and the matching rows of in_proj /
+    columns of out_proj."""
 
     def __init__(self, config: HybridModelConfig, kernels: KernelSet) -> None:
         super().__init__()
