@@ -73,11 +73,12 @@ class Server:
 def build_backend(config: ServeConfig, model_dir: str):
     """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
     c = config.cluster
+    engine_config = config.engine.replace(dtype=config.model.dtype)  # model.dtype: weights, activations, KV
     if c.backend == "inprocess":
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
 
-        return EngineRunner(LLMEngine.from_checkpoint(model_dir, config.engine), max_queued=c.max_inflight), None, False
+        return EngineRunner(LLMEngine.from_checkpoint(model_dir, engine_config), max_queued=c.max_inflight), None, False
     if c.node_ip_address.startswith("127.") and (c.ray_address or os.environ.get("RAY_ADDRESS", "127.")).startswith(
             ("127.", "localhost")):
         # loopback only: Ray reads this when first imported (below); without it, workers report
@@ -90,7 +91,7 @@ def build_backend(config: ServeConfig, model_dir: str):
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
     r = config.router
-    backend = ClusterBackend(model_dir, config.engine, BackendConfig(
+    backend = ClusterBackend(model_dir, engine_config, BackendConfig(
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,

@@ -78,8 +78,9 @@ def _join_rank0(model_dir: str, tp_size: int, init_method: str, backend: str, ti
 
 def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str = "gloo", events=None,
                      ray_actor_options: dict | None = None, *, init_method: str | None = None,
-                     dtype: torch.dtype = torch.float32, timeout_s: float = 600.0):
-    """An LLMEngine whose model spans tp_size ranks: this process is rank 0, ranks 1..n-1 are
+                     dtype: torch.dtype | None = None, timeout_s: float = 600.0):
+    """An LLMEngine whose model spans tp_size ranks (weights in `dtype`, default engine_config.dtype):
+    this process is rank 0, ranks 1..n-1 are
     `TPWorker` Ray actors started with `ray_actor_options` (default: {"num_gpus": 1} for nccl, Ray's
     actor defaults for gloo). They are owned by this process, so Ray ends them if it dies. With
     tp_size 1 no actor is started. Without `init_method` the group is on loopback and the actors are
@@ -91,6 +92,7 @@ def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str =
 
     check_tp_size(model_dir, tp_size)
     kernels = engine_config.kernels
+    dtype = dtype or engine_config.torch_dtype
     if ray_actor_options is None:
         ray_actor_options = {"num_gpus": 1} if backend == "nccl" else {}
     options = dict(ray_actor_options)

@@ -71,7 +71,7 @@ class LLMEngine:
         from workers.model.loader import load_model, model_fingerprint
 
         config = config or EngineConfig()
-        model = load_model(model_dir, kernels=config.kernels)
+        model = load_model(model_dir, dtype=config.torch_dtype, device=config.device, kernels=config.kernels)
         if not config.model_fingerprint:
             config = config.replace(model_fingerprint=model_fingerprint(model_dir))
         return cls(model, config, **kw)
