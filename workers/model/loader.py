@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 from collections import defaultdict
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -69,19 +68,29 @@ def _plan(config: HybridModelConfig, index: dict[str, Path], where: str) -> dict
 
 
 class _Reader:
-    """Reads pieces from the open shards; one tensor (or one expert) in memory at a time."""
+    """Reads pieces from the shards, one tensor (or one expert) in memory at a time. At most one shard is
+    open (memory-mapped) at once: the caller asks for parameters in shard order, so the mapped pages of a
+    finished shard are released before the next shard is touched."""
 
-    def __init__(self, index: dict[str, Path], stack: ExitStack) -> None:
+    def __init__(self, index: dict[str, Path]) -> None:
+        self.index = index
+        self._path: Path | None = None
+        self._file = None
+
+    def _open(self, source: str):
         from safetensors import safe_open
 
-        self.index = index
-        self.files = {p: stack.enter_context(safe_open(str(p), framework="pt")) for p in set(index.values())}
+        path = self.index[source]
+        if path != self._path:
+            self.close()
+            self._path, self._file = path, safe_open(str(path), framework="pt")
+        return self._file
 
-    def shape(self, source: str) -> list[int]:
-        return list(self.files[self.index[source]].get_slice(source).get_shape())
+    def close(self) -> None:
+        self._path = self._file = None  # safe_open unmaps when its handle is dropped
 
     def read(self, piece: Piece) -> torch.Tensor:
-        f = self.files[self.index[piece.source]]
+        f = self._open(piece.source)
         if piece.split_dim is None:
             return f.get_tensor(piece.source)
         sl = f.get_slice(piece.source)
@@ -94,9 +103,13 @@ def _materialize(name: str, pieces: list[Piece], shape: torch.Size, reader: _Rea
                  rule: tuple[int, torch.Tensor] | None, dtype: torch.dtype, device) -> torch.Tensor:
     """One parameter: read, check the full shape, take the rank's slice, cast, place."""
     def finish(t: torch.Tensor, dim_shift: int = 0) -> torch.Tensor:
+        src = t
         if rule is not None:
             t = t.index_select(rule[0] - dim_shift, rule[1])
-        return t.to(device=device, dtype=dtype).contiguous()
+        t = t.to(device=device, dtype=dtype).contiguous()
+        # a tensor read without a cast can be a view of the memory-mapped file: own the memory, so a
+        # checkpoint rewritten in place later cannot change (or fault) a served model
+        return t.clone() if t.data_ptr() == src.data_ptr() else t
 
     experts = [p for p in pieces if p.expert is not None]
     if experts:  # per-expert tensors stacked into [E, ...]
@@ -123,6 +136,34 @@ def _materialize(name: str, pieces: list[Piece], shape: torch.Size, reader: _Rea
     return finish(t)
 
 
+def _index_shards(shards: list[Path]) -> dict[str, Path]:
+    """Tensor name -> its shard (headers only: no tensor data is read)."""
+    from safetensors import safe_open
+
+    index: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            index.update({k: shard for k in f.keys()})
+    return index
+
+
+def _select(config: HybridModelConfig, plan: dict[str, list[Piece]], where: str) -> tuple[dict, bool, bool]:
+    """(plan without what this model does not use, with_mtp, tie lm_head to the embeddings)."""
+    mtp_names = [n for n in plan if n.startswith(MTP_PREFIX)]
+    with_mtp = config.num_nextn_predict_layers > 0 and bool(mtp_names)
+    if mtp_names and not with_mtp:
+        log.warning("%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", where, len(mtp_names))
+    if config.num_nextn_predict_layers and not mtp_names:
+        log.info("%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", where)
+    if not with_mtp:
+        plan = {k: v for k, v in plan.items() if not k.startswith(MTP_PREFIX)}
+    # transformers' NemotronH never ties: a stored lm_head.weight is what it uses.
+    tie = config.tie_word_embeddings and not (config.model_type == "nemotron_h" and "lm_head.weight" in plan)
+    if tie:
+        plan.pop("lm_head.weight", None)
+    return plan, with_mtp, tie
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -140,44 +181,27 @@ def load_model(
     config_path, shards = checkpoint_files(model_dir)
     config = HybridModelConfig.from_json_file(config_path)
     kernel_set = select_kernels(kernels, device)
-    with ExitStack() as stack:
-        from safetensors import safe_open
-
-        index: dict[str, Path] = {}
-        for shard in shards:
-            with safe_open(str(shard), framework="pt") as f:
-                index.update({k: shard for k in f.keys()})
-        plan = _plan(config, index, where)
-        mtp_names = [n for n in plan if n.startswith(MTP_PREFIX)]
-        with_mtp = config.num_nextn_predict_layers > 0 and bool(mtp_names)
-        if mtp_names and not with_mtp:
-            log.warning("%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", where, len(mtp_names))
-        if config.num_nextn_predict_layers and not mtp_names:
-            log.info("%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", where)
-        if not with_mtp:
-            plan = {k: v for k, v in plan.items() if not k.startswith(MTP_PREFIX)}
-        # transformers' NemotronH never ties: a stored lm_head.weight is what it uses.
-        tie = config.tie_word_embeddings and not (config.model_type == "nemotron_h" and "lm_head.weight" in plan)
-        if tie:
-            plan.pop("lm_head.weight", None)
-        with torch.device("meta"):
-            full = HybridForCausalLM(config, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
-        expected = {k: v.shape for k, v in full.state_dict().items()}
-        if tie:
-            expected.pop("lm_head.weight")
-        missing = sorted(set(expected) - set(plan))
-        if missing:
-            raise MissingTensorError(f"{where}: missing tensor(s) {_names(missing)}")
-        unexpected = sorted(set(plan) - set(expected))
-        if unexpected:
-            sources = [p.source for n in unexpected for p in plan[n]]
-            raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {_names(sources)}")
-        rules = param_slices(full, tp_size, tp_rank) if tp_size > 1 else {}
-        if tp_size > 1 and tp_rank > 0:
-            expected.pop("lm_head.weight", None)  # logits are computed on rank 0 only
-        reader = _Reader(index, stack)
-        state = {name: _materialize(name, plan[name], shape, reader, where, rules.get(name), dtype, device)
-                 for name, shape in expected.items()}
+    index = _index_shards(shards)
+    plan, with_mtp, tie = _select(config, _plan(config, index, where), where)
+    with torch.device("meta"):
+        full = HybridForCausalLM(config, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
+    expected = {k: v.shape for k, v in full.state_dict().items()}
+    if tie:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(plan))
+    if missing:
+        raise MissingTensorError(f"{where}: missing tensor(s) {_names(missing)}")
+    unexpected = sorted(set(plan) - set(expected))
+    if unexpected:
+        sources = [p.source for n in unexpected for p in plan[n]]
+        raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {_names(sources)}")
+    rules = param_slices(full, tp_size, tp_rank) if tp_size > 1 else {}
+    if tp_size > 1 and tp_rank > 0:
+        expected.pop("lm_head.weight", None)  # logits are computed on rank 0 only
+    reader = _Reader(index)
+    order = sorted(expected, key=lambda n: (str(index[plan[n][0].source]), n))  # shard by shard
+    state = {n: _materialize(n, plan[n], expected[n], reader, where, rules.get(n), dtype, device) for n in order}
+    reader.close()
     local = local_config(config, tp_size) if tp_size > 1 else config
     with torch.device("meta"):
         model = HybridForCausalLM(local, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
