@@ -38,7 +38,7 @@ NEMOTRON3_MOE = dict(
 )
 GRANITE_COMMON = dict(
     vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
-    rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+    rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
     mamba_expand=2, mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False,
     position_embedding_type="nope", tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     embedding_multiplier=12.0, logits_scaling=6.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
@@ -64,7 +64,7 @@ SPECS: dict[str, dict] = {
                             **GRANITE_COMMON),
     "bamba": dict(model_type="bamba", vocab_size=256, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[2],
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, hidden_act="silu",
-                  rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                  rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
                   mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, rope_parameters={
                       "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),

@@ -206,7 +206,7 @@ def load_model(
     with torch.device("meta"):
         model = HybridForCausalLM(local, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
     if tp_size > 1:
-        return finish_shard(model, state, tp_rank, dtype, device)
+        return finish_shard(model, state, tp_rank, dtype, device, norm_spans_ranks=config.n_groups == 1)
     if tie:
         state["lm_head.weight"] = state["model.embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)

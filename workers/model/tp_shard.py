@@ -16,7 +16,9 @@ so the unchanged layer code runs on the shard and the caches it allocates are th
     replicated embeddings, every RMSNorm, MTP eh_proj; lm_head on rank 0 only (logits stay there)
 
 Mamba head h belongs to group h // (nheads / ngroups), so with ngroups % tp == 0 the rank's heads use
-exactly its groups' B and C, and the gated RMSNorm (one norm per group) never spans two ranks.
+exactly its groups' B and C, and the gated RMSNorm (one norm per group) never spans two ranks. With
+ngroups == 1 (Granite-4.0-H, Bamba) every rank holds the one group's B and C (replicated) and the gated
+norm over all of d_inner spans the ranks: its sum of squares is all-reduced (as vLLM does).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from workers.model.kernels import KernelSet
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.mlp import MLP, GatedMLP
 from workers.model.moe import MoE
+from workers.model.norms import GatedRMSNorm
 
 
 def _split_fields(config: HybridModelConfig) -> dict[str, str]:
@@ -46,7 +49,8 @@ def _split_fields(config: HybridModelConfig) -> dict[str, str]:
         fields["num_key_value_heads"] = "attention KV heads (KV replication is not implemented)"
     if LayerKind.MAMBA in kinds:
         fields["mamba_num_heads"] = "Mamba heads"
-        fields["n_groups"] = "Mamba groups (B/C and the gated RMSNorm groups stay whole on one rank)"
+        if config.n_groups > 1:  # one group is replicated on every rank instead
+            fields["n_groups"] = "Mamba groups (B/C and the gated RMSNorm groups stay whole on one rank)"
     if LayerKind.MLP in kinds:
         fields["intermediate_size"] = "MLP intermediate channels"
     if LayerKind.MOE in kinds:
@@ -91,7 +95,8 @@ def param_slices(model: HybridForCausalLM, tp_size: int, rank: int) -> dict[str,
     heads_kv = _expand(_block(c.num_key_value_heads, tp_size, rank), c.head_dim)
     heads = _block(c.mamba_num_heads, tp_size, rank)
     inner = _expand(heads, c.mamba_head_dim)  # x / z / norm channels
-    gn = _expand(_block(c.n_groups, tp_size, rank), c.ssm_state_size)  # B or C channels
+    groups = _block(c.n_groups, tp_size, rank) if c.n_groups > 1 else torch.arange(1)  # 1 group: replicated
+    gn = _expand(groups, c.ssm_state_size)  # B or C channels
     xbc = torch.cat([inner, c.d_inner + gn, c.d_inner + c.n_groups * c.ssm_state_size + gn])
     in_rows = torch.cat([inner, c.d_inner + xbc, c.d_inner + c.conv_dim + heads])
 
@@ -147,7 +152,7 @@ _ROW_PARALLEL = {PagedAttention: "o_proj", Mamba2Mixer: "out_proj", MLP: "down_p
 def attach_group(shard: HybridForCausalLM, group) -> None:
     """Point every row-parallel layer of the shard at `group` (the ranks can load before they join)."""
     for module in shard.modules():
-        if isinstance(module, (RowParallelLinear, MoE)):
+        if isinstance(module, (RowParallelLinear, MoE)) or (isinstance(module, GatedRMSNorm) and module.spans_ranks):
             module.group = group
 
 
@@ -165,13 +170,15 @@ def shard_model(full: HybridForCausalLM, tp_size: int, rank: int, *, kernels: Ke
     with torch.device("meta"):
         shard = HybridForCausalLM(local_config(full.config, tp_size), kernels, with_mtp=full.mtp is not None,
                                   tie_lm_head=full.tied)
-    return finish_shard(shard, state, rank, full.dtype, device, group)
+    return finish_shard(shard, state, rank, full.dtype, device, group, norm_spans_ranks=tp_size > 1 and full.config.n_groups == 1)
 
 
 def finish_shard(shard: HybridForCausalLM, state: dict[str, torch.Tensor], rank: int, dtype: torch.dtype,
-                 device: torch.device | str, group=None) -> HybridForCausalLM:
+                 device: torch.device | str, group=None, *, norm_spans_ranks: bool) -> HybridForCausalLM:
     """Assign a shard's (already sliced) weights; rank > 0 gets an empty lm_head (logits on rank 0);
-    row-parallel layers are wrapped to all-reduce over `group` (attach_group can set it later)."""
+    row-parallel layers are wrapped to all-reduce over `group` (attach_group can set it later).
+    norm_spans_ranks: the full model has one Mamba group and tp_size > 1 (the gated norm then reduces
+    across the ranks)."""
     hidden = shard.config.hidden_size
     if rank > 0:
         state["lm_head.weight"] = torch.empty(0, hidden, dtype=dtype, device=device)
@@ -187,5 +194,7 @@ def finish_shard(shard: HybridForCausalLM, state: dict[str, torch.Tensor], rank:
             setattr(module, name, RowParallelLinear(getattr(module, name), group))
         if isinstance(module, MoE):
             module.group = group
+        if isinstance(module, GatedRMSNorm) and norm_spans_ranks:
+            module.spans_ranks, module.group = True, group
     shard.requires_grad_(False)
     return shard.eval()
