@@ -170,7 +170,8 @@ def shard_model(full: HybridForCausalLM, tp_size: int, rank: int, *, kernels: Ke
     with torch.device("meta"):
         shard = HybridForCausalLM(local_config(full.config, tp_size), kernels, with_mtp=full.mtp is not None,
                                   tie_lm_head=full.tied)
-    return finish_shard(shard, state, rank, full.dtype, device, group, norm_spans_ranks=tp_size > 1 and full.config.n_groups == 1)
+    spans = tp_size > 1 and full.config.n_groups == 1
+    return finish_shard(shard, state, rank, full.dtype, device, group, norm_spans_ranks=spans)
 
 
 def finish_shard(shard: HybridForCausalLM, state: dict[str, torch.Tensor], rank: int, dtype: torch.dtype,
