@@ -181,3 +181,17 @@ def test_set_model_path_that_does_not_exist_is_an_error_naming_it(tmp_path):
     cfg = ServeConfig(model=typo)
     with pytest.raises(ServeConfigError, match=r"model\.path .*typo.* does not exist"):
         resolve_model_dir(cfg)
+
+
+def test_mamba_ssm_cache_dtype_sets_the_state_dtype(t5_copy):
+    _write(t5_copy, {**_raw(t5_copy), "mamba_ssm_cache_dtype": "bfloat16"})
+    model = load_model(t5_copy, kernels="torch")
+    caches = model.allocate_caches(2, 16, 1)
+    assert {t.dtype for t in caches.ssm.values()} == {torch.bfloat16}
+    assert {t.dtype for t in caches.conv.values()} == {torch.float32}  # conv state follows the model dtype
+    assert model.state_bytes_per_slot() == caches.state_bytes_per_slot()
+    with torch.no_grad():
+        ref = load_hf("nemotron_h_t5", t5_copy)(make_tokens(20, seed=2, vocab=256)[None]).logits[0]
+    ids = make_tokens(20, seed=2, vocab=256)
+    got = run_chunks(model, caches, ids, [12] + [1] * 8, torch.tensor([1, 0]), 0)  # decode from bf16 state
+    assert 0 < (got - ref).abs().max() < 0.1

@@ -63,10 +63,13 @@ def test_greedy_generation_matches_transformers(hf_dirs, model_id):
     assert greedy_ours(ours, prompt, 10) == ref
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model_id", MODEL_IDS)
-def test_engine_warm_equals_cold_and_greedy(hf_dirs, model_id):
+def test_engine_warm_equals_cold_and_greedy(hf_dirs, model_id, dtype):
+    """Through the engine (MTP speculation on where the checkpoint has a head): a prefix-cache hit gives
+    the cold run's tokens exactly, in bf16 too; in fp32 they are also plain greedy decoding's."""
     path = hf_dirs(model_id)
-    model = load_model(path, kernels="torch")
+    model = load_model(path, dtype=dtype, kernels="torch")
     config = EngineConfig(kernels="torch", max_model_len=256, kv_block_size=16, mamba_block_size=16,
                           cache_memory_bytes=8 * 2**20, num_spec_tokens=2 if model.mtp else 0, chunk_size=32)
     engine = LLMEngine(model, config)
@@ -75,7 +78,10 @@ def test_engine_warm_equals_cold_and_greedy(hf_dirs, model_id):
     (cold,) = engine.generate([prompt], params)
     (warm,) = engine.generate([prompt], params)
     assert warm.num_cached_tokens >= 48 and cold.num_cached_tokens == 0
-    assert list(warm.token_ids) == list(cold.token_ids) == greedy_ours(model, torch.tensor(prompt), 8)
+    assert list(warm.token_ids) == list(cold.token_ids)
+    assert model.mtp is None or (cold.num_draft_proposed > 0 and warm.num_draft_proposed > 0)
+    if dtype == torch.float32:
+        assert list(cold.token_ids) == greedy_ours(model, torch.tensor(prompt), 8)
 
 
 @pytest.mark.parametrize("model_id", MODEL_IDS)

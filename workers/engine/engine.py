@@ -203,7 +203,7 @@ class LLMEngine:
         draft_start = req.num_draft_computed_tokens
         hidden = rows
         if draft_start < start:  # lossless hit: the draft layer's position L-1 from the sidecar
-            hidden = torch.cat([self.cache.hit_sidecar(req)[None], rows])
+            hidden = torch.cat([self.cache.hit_sidecar(req)[None].to(rows), rows])  # sidecar: CPU fp32
         known = req.all_token_ids
         next_ids = known[draft_start + 1 : end + 1]
         if len(next_ids) < end - draft_start:  # final prompt token's successor not sampled (finished)
