@@ -75,12 +75,13 @@ MOE_IDS = ("nemotron3_nano", "nemotron3_super", "granite_h_tiny")
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, buf in model.named_buffers():  # transformers keeps the routing bias as a buffer
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
         for name, p in model.named_parameters():
             if name.endswith(("A_log", ".D", "dt_bias")) or "conv1d" in name:
                 continue  # transformers' init of these is already meaningful
-            if name.endswith("e_score_correction_bias"):
-                value = torch.randn(p.shape, generator=g) * 0.1
-            elif name.endswith("bias"):
+            if name.endswith("bias"):
                 value = torch.zeros(p.shape)
             elif p.dim() == 1:
                 value = 1.0 + torch.randn(p.shape, generator=g) * 0.1
@@ -125,7 +126,7 @@ def _add_mtp(out: Path, spec: dict, seed: int) -> None:
          "mtp.layers.0.mixer.o_proj.weight": lin(H, spec["num_attention_heads"] * hd),
          "mtp.layers.1.norm.weight": norm(), "mtp.layers.1.final_layernorm.weight": norm(),
          "mtp.layers.1.mixer.gate.weight": lin(E, H),
-         "mtp.layers.1.mixer.gate.e_score_correction_bias": torch.randn(E, generator=g) * 0.1,
+         "mtp.layers.1.mixer.gate.e_score_correction_bias": torch.randn(E, generator=g) * 0.5,
          "mtp.layers.1.mixer.shared_experts.up_proj.weight": lin(shared, H),
          "mtp.layers.1.mixer.shared_experts.down_proj.weight": lin(H, shared)}
     if spec.get("moe_latent_size"):
