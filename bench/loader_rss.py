@@ -31,7 +31,11 @@ CONFIG = dict(
 )
 
 
-def write_checkpoint(out: Path, shard_bytes: int) -> int:
+SMALL = dict(CONFIG, vocab_size=4096, hidden_size=256, intermediate_size=512, mamba_num_heads=8, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
+
+
+def write_checkpoint(out: Path, shard_bytes: int, fields: dict = CONFIG) -> int:
     """Random weights, shard by shard (never more than one shard in memory); returns total bytes."""
     import torch
     from safetensors.torch import save_file
@@ -39,7 +43,7 @@ def write_checkpoint(out: Path, shard_bytes: int) -> int:
     from workers.model.config import HybridModelConfig
     from workers.model.hybrid import HybridForCausalLM
 
-    config = HybridModelConfig.from_dict(CONFIG)
+    config = HybridModelConfig.from_dict(fields)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in HybridForCausalLM(config).state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -99,11 +103,14 @@ def measure(path: Path, mode: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.loader_rss", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", help="checkpoint dir (written if missing; default: a temp dir)")
-    parser.add_argument("--shard-mib", type=int, default=250)
+    parser.add_argument("--shard-mib", type=float, default=250)
+    parser.add_argument("--small", action="store_true", help="a ~17 MB checkpoint (smoke test)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.dir or Path(tmp) / "ckpt")
-        total = write_checkpoint(path, args.shard_mib * 2**20) if not (path / "config.json").exists() else None
+        fields = SMALL if args.small else CONFIG
+        exists = (path / "config.json").exists()
+        total = None if exists else write_checkpoint(path, int(args.shard_mib * 2**20), fields)
         shards = sorted(path.glob("*.safetensors"))
         result = {
             "checkpoint_mib": round(sum(s.stat().st_size for s in shards) / 2**20),
