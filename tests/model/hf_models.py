@@ -11,6 +11,8 @@ scaled down to tiny sizes (the layer-kind mix, routing, multipliers and format q
     nemotron3_super   Nemotron 3 Super (latent MoE + MTP '*E')           moe_latent_size, mtp.* in vLLM's format
     granite_h_tiny    ibm-granite/granite-4.0-h-tiny                     MoE + shared expert, multipliers, no RoPE
     granite_h_micro   ibm-granite/granite-4.0-h-micro                    dense shared MLP only
+    granite_h_rope    granite-4.0-h-micro with position_embedding_type   full RoPE (a config option no published
+                      "rope" (rope_parameters)                           Granite-4.0-H uses)
     bamba             ibm-ai-platform/Bamba-9B-v2                        RoPE on half of each head
 
 Weights are seeded and scaled so logits are far from degenerate (transformers' own init at these sizes
@@ -62,6 +64,11 @@ SPECS: dict[str, dict] = {
                             layer_types=["mamba", "attention", "mamba", "mamba"], intermediate_size=32,
                             shared_intermediate_size=96, num_local_experts=0, num_experts_per_tok=0,
                             **GRANITE_COMMON),
+    "granite_h_rope": dict(model_type="granitemoehybrid", num_hidden_layers=3,
+                           layer_types=["mamba", "attention", "mamba"], intermediate_size=32,
+                           shared_intermediate_size=96, num_local_experts=0, num_experts_per_tok=0,
+                           **{**GRANITE_COMMON, "position_embedding_type": "rope"},
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "bamba": dict(model_type="bamba", vocab_size=256, hidden_size=64, num_hidden_layers=4, attn_layer_indices=[2],
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, hidden_act="silu",
                   rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,

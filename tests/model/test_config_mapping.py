@@ -195,3 +195,23 @@ def test_mamba_ssm_cache_dtype_sets_the_state_dtype(t5_copy):
     ids = make_tokens(20, seed=2, vocab=256)
     got = run_chunks(model, caches, ids, [12] + [1] * 8, torch.tensor([1, 0]), 0)  # decode from bf16 state
     assert 0 < (got - ref).abs().max() < 0.1
+
+
+def test_older_granite_and_bamba_config_fields():
+    """Fields of the published config.json files that transformers 5 no longer writes: granite's
+    init_method / normalization_function / top-level rope_theta, Bamba's attn_rotary_emb."""
+    granite = {**SPECS["granite_h_tiny"], "init_method": "mup", "normalization_function": "rmsnorm",
+               "rope_theta": 10000.0, "rope_scaling": None}
+    assert HybridModelConfig.from_dict(granite).rope_theta is None  # position_embedding_type nope
+    with pytest.raises(ConfigError, match="normalization_function"):
+        HybridModelConfig.from_dict({**granite, "normalization_function": "layernorm"})
+    roped = {**granite, "position_embedding_type": "rope"}
+    roped.pop("rope_parameters", None)
+    assert HybridModelConfig.from_dict(roped).rope_theta == 10000.0
+    bamba = {k: v for k, v in SPECS["bamba"].items() if k != "rope_parameters"}
+    cfg = HybridModelConfig.from_dict({**bamba, "rope_theta": 5e5, "attn_rotary_emb": 8})
+    assert (cfg.rope_theta, cfg.rotary_dim) == (5e5, 8)
+    with pytest.raises(ConfigError, match="attn_rotary_emb"):
+        HybridModelConfig.from_dict({**bamba, "attn_rotary_emb": 16})
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        HybridModelConfig.from_dict({**bamba, "rope_scaling": {"type": "linear", "factor": 2.0}})

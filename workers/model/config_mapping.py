@@ -55,8 +55,12 @@ _IGNORED = {
         "use_mamba_kernels", "moe_shared_expert_overlap", "time_step_rank", "rms_norm_eps", "num_hidden_layers",
         "n_shared_experts", "time_step_limit",
     },
-    "granitemoehybrid": _COMMON_IGNORED | {"num_hidden_layers", "position_embedding_type", "rope_parameters"},
-    "bamba": _COMMON_IGNORED | {"z_loss_coefficient", "num_hidden_layers", "rope_parameters", "rope_theta"},
+    # init_method (mup) and embedding_dropout only matter in training; RoPE fields unused without RoPE.
+    "granitemoehybrid": _COMMON_IGNORED | {"num_hidden_layers", "position_embedding_type", "rope_parameters",
+                                           "rope_theta", "rope_scaling", "init_method", "embedding_dropout",
+                                           "normalization_function"},
+    "bamba": _COMMON_IGNORED | {"z_loss_coefficient", "num_hidden_layers", "rope_parameters", "rope_theta",
+                                "rope_scaling", "use_mamba_kernels", "attn_rotary_emb"},
 }
 
 
@@ -202,7 +206,18 @@ def _attention_fields(f: _Fields, rope: dict | None) -> dict:
     return out
 
 
+def _rope(d: dict) -> dict:
+    """rope_parameters (transformers >= 5) or the older top-level rope_theta / rope_scaling."""
+    if d.get("rope_scaling") is not None:
+        raise ConfigError(f"rope_scaling={d['rope_scaling']!r} is not supported (only unscaled RoPE)")
+    rope = dict(d.get("rope_parameters") or {})
+    if "rope_theta" not in rope and "rope_theta" in d:
+        rope["rope_theta"] = d["rope_theta"]
+    return rope
+
+
 def _common_fields(f: _Fields) -> dict:
+    _require(f.data, "normalization_function", ("rmsnorm",), "every norm is an RMSNorm")
     act = f.take("hidden_act", "silu")
     if act != "silu":  # also the Mamba conv activation in these architectures
         raise ConfigError(f"hidden_act={act!r} is not supported (Mamba layers and gated MLPs use 'silu')")
@@ -220,7 +235,7 @@ def _granite(f: _Fields, field_names: set[str]) -> dict:
         raise ConfigError(f"layer_types may hold only mamba / attention layers, got {types!r}")
     num_experts = f.take("num_local_experts", 8) or 0
     ffn = "E" if num_experts > 0 else "-"
-    rope = d.get("rope_parameters") if d.get("position_embedding_type") == "rope" else None
+    rope = _rope(d) if d.get("position_embedding_type") == "rope" else None
     _require(d, "position_embedding_type", (None, "nope", "rope"), "positional embedding")
     shared = f.take("shared_intermediate_size", 1024)
     expert_size = f.take("intermediate_size", 11008)
@@ -248,8 +263,12 @@ def _bamba(f: _Fields, field_names: set[str]) -> dict:
     d = f.data
     num_layers = int(d.get("num_hidden_layers", 32))
     attn = set(f.take("attn_layer_indices", None) or ())
-    rope = dict(d.get("rope_parameters") or {"rope_theta": d.get("rope_theta", 10000.0)})
+    rope = _rope(d)
     rope.setdefault("partial_rotary_factor", 0.5)  # transformers hard-codes it for Bamba
+    head_dim = d.get("head_dim") or d.get("hidden_size", 4096) // d.get("num_attention_heads", 32)
+    if "attn_rotary_emb" in d and d["attn_rotary_emb"] != int(head_dim * rope["partial_rotary_factor"]):
+        raise ConfigError(f"attn_rotary_emb={d['attn_rotary_emb']} differs from the rotary width transformers "
+                          f"uses ({int(head_dim * rope['partial_rotary_factor'])} of head_dim {head_dim})")
     out = {
         "model_type": "bamba",
         "hybrid_override_pattern": "".join(("*" if i in attn else "M") + "-" for i in range(num_layers)),
