@@ -81,23 +81,33 @@ def test_mtp_head_in_vllm_format_matches_reference(super_dir):
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_id", ["nemotron3_nano", "granite_h_tiny", "bamba"])
+@pytest.mark.parametrize("model_id", ["nemotron3_nano", "nemotron3_super", "granite_h_tiny", "bamba"])
 def test_tp2_matches_tp1_on_moe_granite_and_bamba(tmp_path, model_id):
-    """Nemotron 3 Nano: experts split along their width, 2 Mamba groups one per rank; Granite and Bamba:
-    one Mamba group (as the real models) replicated on both ranks, its gated norm reduced across them."""
+    """Nemotron 3 Nano: experts split along their width, 2 Mamba groups one per rank; Super: latent MoE
+    and its MTP head (an MoE layer too) over the ranks; Granite and Bamba: one Mamba group (as the real
+    models) replicated on both ranks, its gated norm reduced across them."""
     torch.set_num_threads(1)
     path = build(model_id, tmp_path / "ckpt", seed=3)
-    ref_model = load_model(path, kernels="torch")
     ids = make_tokens(40, seed=6, vocab=256)
     table = make_table(3, 2, 8)
-    ref = run_chunks(ref_model, ref_model.allocate_caches(8, 16, 2), ids, [25, 1, 14], table, slot=1)
+
+    def run(model) -> list[torch.Tensor]:
+        caches = model.allocate_caches(8, 16, 2, num_draft_blocks=4 if model.mtp else 0)
+        out = [run_chunks(model, caches, ids, [25, 1, 14], table, slot=1)]
+        if model.mtp is not None:
+            hidden = model.forward(ForwardBatch(ids[:20], (SeqChunk(0, 20, torch.tensor([4, 5]), 0),)), caches)
+            batch = ForwardBatch(ids[1:21], (SeqChunk(0, 20, torch.tensor([3, 1]), 0),))
+            out.append(model.compute_logits(model.mtp.forward(hidden, batch, caches)))
+        return out
+
+    ref_model = load_model(path, kernels="torch")
+    ref = run(ref_model)
     tp2 = launch_local_tp(str(path), 2)
     try:
-        got = run_chunks(tp2, tp2.allocate_caches(8, 16, 2), ids, [25, 1, 14], table, slot=1)
+        got = run(tp2)
     finally:
         tp2.close()
-    c = tp2.shard.config
-    assert c.mamba_num_heads * 2 == ref_model.config.mamba_num_heads
-    full = ref_model.config
+    c, full = tp2.shard.config, ref_model.config
+    assert c.mamba_num_heads * 2 == full.mamba_num_heads and len(got) == (2 if full.num_nextn_predict_layers else 1)
     assert not full.n_routed_experts or c.moe_intermediate_size * 2 == full.moe_intermediate_size
-    assert (got - ref).abs().max().item() < ATOL
+    assert max((g - r).abs().max().item() for g, r in zip(got, ref)) < ATOL
