@@ -51,6 +51,7 @@ def test_transformers5_config_round_trip_fields(t5_dir):
     assert raw["time_step_limit"][1] == {"__float__": "Infinity"} and "layers_block_type" in raw
     cfg = HybridModelConfig.from_dict(raw)
     assert cfg.hybrid_override_pattern == "M*M-M-" and cfg.dt_limit == (0.001, math.inf)
+    assert HybridModelConfig.from_dict({**raw, "rope_theta": 1e4}).rope_theta is None  # ignored, as transformers
 
 
 @pytest.mark.parametrize(("change", "needle"), [
@@ -61,6 +62,8 @@ def test_transformers5_config_round_trip_fields(t5_dir):
     ({"n_shared_experts": 2, "layers_block_type": ["moe"], "n_routed_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 8, "moe_shared_expert_intermediate_size": 8}, "n_shared_experts"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id"),
+    ({"mlp_gated": True}, "mlp_gated"),  # our own field, not a NemotronH one: not settable from config.json
+    ({"embedding_multiplier": 12.0}, "embedding_multiplier"),
 ])
 def test_unknown_or_math_changing_fields_are_named(t5_dir, change, needle):
     raw = {**_raw(t5_dir), **change}
@@ -74,6 +77,8 @@ def test_unknown_or_math_changing_fields_are_named(t5_dir, change, needle):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mamba_d_head": 7}, "mamba_d_head"),
     ({"layer_types": ["mamba", "moe", "mamba", "mamba"]}, "layer_types"),
+    ({"mlp_bias": True}, "mlp_bias"),  # transformers' Granite MLPs have no bias whatever this says
+    ({"n_group": 4}, "n_group"),
 ])
 def test_granite_fields_that_change_the_math_are_refused(change, needle):
     raw = {k: v for k, v in SPECS["granite_h_tiny"].items()}

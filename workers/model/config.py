@@ -112,33 +112,18 @@ class HybridModelConfig:
         parse_pattern(self.hybrid_override_pattern)
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern is empty: the model needs at least one layer")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "mamba_num_heads",
-            "mamba_head_dim",
-            "ssm_state_size",
-            "n_groups",
-            "conv_kernel",
-            "chunk_size",
-            "max_position_embeddings",
-        ):
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                     "conv_kernel", "chunk_size", "max_position_embeddings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.mamba_num_heads % self.n_groups:
-            raise ConfigError(
-                f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups ({self.n_groups})"
-            )
+            raise ConfigError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups "
+                              f"({self.n_groups})")
         if self.conv_kernel < 2:
             raise ConfigError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
         if self.mlp_hidden_act not in MLP_ACTIVATIONS:
@@ -148,9 +133,8 @@ class HybridModelConfig:
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
         if not 0 < self.time_step_min <= self.time_step_max:
-            raise ConfigError(
-                f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, {self.time_step_max}"
-            )
+            raise ConfigError(f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, "
+                              f"{self.time_step_max}")
         if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"mamba_ssm_cache_dtype {self.mamba_ssm_cache_dtype!r} is not a float dtype")
         if self.num_nextn_predict_layers not in (0, 1):
@@ -158,10 +142,8 @@ class HybridModelConfig:
         if self.num_nextn_predict_layers:
             kinds = parse_pattern(self.mtp_hybrid_override_pattern, "mtp_hybrid_override_pattern")
             if LayerKind.MAMBA in kinds or not kinds:
-                raise ConfigError(
-                    "mtp_hybrid_override_pattern may hold only '*', '-' and 'E' layers, got "
-                    f"{self.mtp_hybrid_override_pattern!r}"
-                )
+                raise ConfigError("mtp_hybrid_override_pattern may hold only '*', '-' and 'E' layers, got "
+                                  f"{self.mtp_hybrid_override_pattern!r}")
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         lo, hi = self.time_step_limit
@@ -303,12 +285,10 @@ class HybridModelConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in _NEMOTRON_ONLY_DEFAULTS and value == defaults[f.name].default:
+            if f.name in NOT_NEMOTRON_FIELDS and value == defaults[f.name].default:
                 continue  # a non-NemotronH field at its neutral value: not a config.json field
             out[f.name] = value
-        out.pop(
-            "time_step_limit"
-        )  # transformers ignores it (it clamps at time_step_min); avoids `Infinity` in JSON
+        out.pop("time_step_limit")  # transformers ignores it (it clamps at time_step_min); no `Infinity`
         out["model_type"] = "nemotron_h"
         out["architectures"] = ["NemotronHForCausalLM"]
         out["num_hidden_layers"] = self.num_hidden_layers
@@ -324,7 +304,7 @@ class HybridModelConfig:
 
 
 # Our own fields that are not NemotronH config.json fields (written only when not neutral).
-_NEMOTRON_ONLY_DEFAULTS = ("mlp_gated", "attention_multiplier", "rope_theta", "rotary_dim", "embedding_multiplier",
+NOT_NEMOTRON_FIELDS = ("mlp_gated", "attention_multiplier", "rope_theta", "rotary_dim", "embedding_multiplier",
                            "residual_multiplier", "logits_scaling", "moe_router")
 _MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group",

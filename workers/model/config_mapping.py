@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from workers.model.config import NOT_NEMOTRON_FIELDS
 from workers.model.errors import ConfigError, UnsupportedLayerError
 
 _BLOCK_TYPE_TO_CHAR = {
@@ -53,7 +54,7 @@ _IGNORED = {
     "nemotron_h": _COMMON_IGNORED | {
         "attention_bias", "expand", "mamba_proj_bias", "residual_in_fp32", "rescale_prenorm_residual",
         "use_mamba_kernels", "moe_shared_expert_overlap", "time_step_rank", "rms_norm_eps", "num_hidden_layers",
-        "n_shared_experts", "time_step_limit",
+        "n_shared_experts", "time_step_limit", "rope_theta",  # NemotronH attention has no positional embedding
     },
     # init_method (mup) and embedding_dropout only matter in training; RoPE fields unused without RoPE.
     "granitemoehybrid": _COMMON_IGNORED | {"num_hidden_layers", "position_embedding_type", "rope_parameters",
@@ -61,6 +62,17 @@ _IGNORED = {
                                            "normalization_function"},
     "bamba": _COMMON_IGNORED | {"z_loss_coefficient", "num_hidden_layers", "rope_parameters", "rope_theta",
                                 "rope_scaling", "use_mamba_kernels", "attn_rotary_emb"},
+}
+
+
+_SHARED = frozenset({"vocab_size", "hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings",
+                     "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                     "mamba_ssm_cache_dtype"})
+# config.json fields that reach HybridModelConfig under their own name (the rest are mapped explicitly).
+_PASSTHROUGH = {
+    "nemotron_h": None,  # every HybridModelConfig field except our own non-NemotronH ones
+    "granitemoehybrid": _SHARED,
+    "bamba": _SHARED | {"mlp_bias", "intermediate_size"},
 }
 
 
@@ -120,7 +132,10 @@ class _Fields:
     def finish(self, out: dict, field_names: set[str]) -> dict:
         for name in _IGNORED[self.model_type]:
             self.data.pop(name, None)
-        unknown = sorted(set(self.data) - field_names)
+        passthrough = _PASSTHROUGH[self.model_type]
+        if passthrough is None:
+            passthrough = field_names - set(NOT_NEMOTRON_FIELDS) - {"model_type"}
+        unknown = sorted(set(self.data) - (field_names & passthrough))
         if unknown:
             raise ConfigError(
                 f"unknown {self.model_type} config field(s) {', '.join(unknown)}: hybridserve does not know "
@@ -286,6 +301,7 @@ _MAPPERS: dict[str, Callable[[_Fields, set[str]], dict]] = {
 
 def map_config(raw: Mapping[str, Any], field_names: set[str]) -> dict:
     """config.json mapping -> keyword arguments of HybridModelConfig (still to be validated by it)."""
+
     if not isinstance(raw, Mapping):
         raise ConfigError(f"model config must be a mapping, got {type(raw).__name__}")
     data = decode_json_floats(dict(raw))
