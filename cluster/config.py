@@ -78,7 +78,7 @@ class HttpConfig:
 class ModelSection:
     path: str = "configs/models/tiny-trained"
     dtype: str = "float32"
-    init_config: str | None = None  # write a random checkpoint from this YAML if `path` is missing
+    init_config: str | None = None  # with an empty `path`: serve a random checkpoint from this YAML
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -25,18 +25,23 @@ log = logging.getLogger("hybridserve.serve")
 
 
 def resolve_model_dir(config: ServeConfig) -> str:
-    """The checkpoint dir; writes a random one from `model.init_config` if the dir is missing."""
-    path = Path(config.model.path)
-    if (path / "config.json").is_file():
+    """The checkpoint dir. A set `model.path` must exist (a mistyped path is an error naming it, never
+    random weights); only an empty `model.path` writes a random checkpoint from `model.init_config`."""
+    if config.model.path:
+        path = Path(config.model.path)
+        if not path.is_dir():
+            raise ConfigError(f"model.path {str(path)!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path {str(path)!r} has no config.json")
         return str(path)
     if not config.model.init_config:
-        raise ConfigError(f"model.path {str(path)!r} has no config.json and no model.init_config is set")
+        raise ConfigError("model.path is empty and no model.init_config is set: nothing to serve")
     from workers.model.init_model import main as init_model
 
     out = Path(tempfile.gettempdir()) / "hybridserve-models" / Path(config.model.init_config).stem
     if not (out / "config.json").is_file():
-        log.warning("model %s missing: writing a random-weight checkpoint from %s to %s",
-                    path, config.model.init_config, out)
+        log.warning("model.path is empty: writing a random-weight checkpoint from %s to %s",
+                    config.model.init_config, out)
         if init_model(["--config", config.model.init_config, "--out", str(out)]) != 0:
             raise ConfigError(f"could not write a checkpoint from {config.model.init_config}")
     return str(out)
@@ -68,11 +73,12 @@ class Server:
 def build_backend(config: ServeConfig, model_dir: str):
     """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
     c = config.cluster
+    engine_config = config.engine.replace(dtype=config.model.dtype)  # model.dtype: weights, activations, KV
     if c.backend == "inprocess":
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
 
-        return EngineRunner(LLMEngine.from_checkpoint(model_dir, config.engine), max_queued=c.max_inflight), None, False
+        return EngineRunner(LLMEngine.from_checkpoint(model_dir, engine_config), max_queued=c.max_inflight), None, False
     if c.node_ip_address.startswith("127.") and (c.ray_address or os.environ.get("RAY_ADDRESS", "127.")).startswith(
             ("127.", "localhost")):
         # loopback only: Ray reads this when first imported (below); without it, workers report
@@ -85,7 +91,7 @@ def build_backend(config: ServeConfig, model_dir: str):
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
     r = config.router
-    backend = ClusterBackend(model_dir, config.engine, BackendConfig(
+    backend = ClusterBackend(model_dir, engine_config, BackendConfig(
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,

@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         mconf = model.config
         self.vocab_size = mconf.vocab_size
-        self.eos_token_id = getattr(mconf, "eos_token_id", None)
+        self.eos_token_ids = mconf.eos_token_ids  # config.json's eos_token_id: an int or a list
         self.speculative = config.num_spec_tokens > 0 and (model.mtp is not None or drafter is not None)
         if config.num_spec_tokens > 0 and not self.speculative:
             log.info("checkpoint has no MTP head: speculative decoding disabled")
@@ -71,7 +71,7 @@ class LLMEngine:
         from workers.model.loader import load_model, model_fingerprint
 
         config = config or EngineConfig()
-        model = load_model(model_dir, kernels=config.kernels)
+        model = load_model(model_dir, dtype=config.torch_dtype, device=config.device, kernels=config.kernels)
         if not config.model_fingerprint:
             config = config.replace(model_fingerprint=model_fingerprint(model_dir))
         return cls(model, config, **kw)
@@ -203,7 +203,7 @@ class LLMEngine:
         draft_start = req.num_draft_computed_tokens
         hidden = rows
         if draft_start < start:  # lossless hit: the draft layer's position L-1 from the sidecar
-            hidden = torch.cat([self.cache.hit_sidecar(req)[None], rows])
+            hidden = torch.cat([self.cache.hit_sidecar(req)[None].to(rows), rows])  # sidecar: CPU fp32
         known = req.all_token_ids
         next_ids = known[draft_start + 1 : end + 1]
         if len(next_ids) < end - draft_start:  # final prompt token's successor not sampled (finished)
@@ -261,8 +261,8 @@ class LLMEngine:
         """Append sampled tokens, stopping at a stop token or the length limit."""
         out = []
         stops = set(req.params.stop_token_ids)
-        if self.eos_token_id is not None and not req.params.ignore_eos:
-            stops.add(self.eos_token_id)
+        if not req.params.ignore_eos:
+            stops.update(self.eos_token_ids)
         reason = None
         for t in tokens:
             out.append(t)
