@@ -38,6 +38,7 @@ from cluster.protocol import (
     DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
+    error_docs,
 )
 from cluster.text_model import GenerationDefaults, TextModel
 from cluster.tokenizer import ByteTokenizer, Tokenizer
@@ -139,14 +140,14 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_docs(401, 404))
     async def model(model_id: str) -> dict:
         if model_id != model_name:
             raise HttpError(404, f"model {model_id!r} not found; this server has {model_name!r}", "not_found_error",
                             "model")
         return model_card()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_docs(400, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict:
         check(body)
         if (body.prompt is None) == (body.messages is None):
@@ -157,7 +158,7 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
             ids = need_tokenizer("tokenize needs a tokenizer").encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_docs(400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> dict:
         check(body)
         return {"prompt": need_tokenizer("detokenize needs a tokenizer").decode(body.tokens)}

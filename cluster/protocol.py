@@ -240,6 +240,15 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(body, status, headers=headers)
 
 
+ERROR_DOCS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+              413: "body over http.max_body_bytes", 429: "server overloaded: see Retry-After", 500: "backend failure"}
+
+
+def error_docs(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for a route that can answer with these error codes."""
+    return {code: {"model": ErrorBody, "description": ERROR_DOCS[code]} for code in codes}
+
+
 ERROR_RESPONSES: dict[int | str, dict] = {
     200: {"description": "a JSON completion, or an SSE stream of chunks with `stream: true`",
           "content": {"application/json": {}, "text/event-stream": {}}},

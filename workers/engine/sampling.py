@@ -106,7 +106,7 @@ class Sampler:
             logits = self.shape(logits, prompt_ids, output_ids)
         if p.greedy:
             return int(torch.argmax(logits))
-        scaled = logits / p.temperature
+        scaled = _finite(logits / p.temperature)
         if p.top_k and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -114,6 +114,7 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+            keep[0] = True  # a top_p below float32's smallest value still keeps the best token
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
@@ -136,7 +137,13 @@ class Sampler:
         if len(output_ids) < p.min_tokens and self.min_tokens_banned:
             banned = [t for t in self.min_tokens_banned if t < vocab]
             logits[banned] = float("-inf")
-        return logits
+        return _finite(logits)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Extreme (but valid) temperatures and penalties overflow to +inf, which softmax turns into
+    NaN; the largest finite value keeps the intended ranking."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
