@@ -50,8 +50,13 @@ def completion_logprobs(tokenizer: Tokenizer | None, token_ids: Sequence[int], l
     for text in tokens:
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_token(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+    tops = []
+    for lp in logprobs:  # two ids can share a text (partial UTF-8 bytes): keep the better one
+        top: dict[str, float] = {}
+        for t, v in lp.top:
+            top.setdefault(_token(tokenizer, t), v)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops,
             "text_offset": offsets}
 
 
