@@ -152,3 +152,22 @@ def test_served_chat_prompt_equals_transformers(served, hf_dir):
         assert c.post("/tokenize", json={"messages": msgs}).json()["tokens"] == theirs
         body = {"messages": msgs, "max_tokens": 1}
         assert c.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == len(theirs)
+
+
+def test_llm_generate_gives_the_served_greedy_tokens(client, hf_dir):
+    from hybridserve import LLM, SamplingParams
+
+    llm = LLM(str(hf_dir), kernels="torch", max_model_len=MAX_MODEL_LEN, cache_memory_bytes=64 * 2**20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    served = client.completions.create(model="tiny-hf", prompt="def fibonacci(n):", max_tokens=12,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    offline = llm.generate("def fibonacci(n):", params)[0]
+    assert offline.outputs[0].token_ids == served.model_extra["token_ids"] and offline.outputs[0].text == served.text
+    messages = _chat("def main():")
+    chat = client.chat.completions.create(model="tiny-hf", messages=messages, max_tokens=12,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    first, again = llm.chat(messages, params)[0], llm.chat(messages, params)[0]
+    assert first.outputs[0].text == again.outputs[0].text == chat
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 64  # the resend hits the prefix cache
+    by_ids = llm.generate({"prompt_token_ids": first.prompt_token_ids}, params)[0]
+    assert by_ids.outputs[0].token_ids == first.outputs[0].token_ids
