@@ -137,6 +137,8 @@ class LLM:
         limit = self.engine.config.max_model_len
         states: dict[str, tuple[int, CompletionState]] = {}
         for n, ((_, ids), params) in enumerate(zip(encoded, params_list)):
+            if params.stop_strings and self.text.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer: stop strings need text; use stop_token_ids")
             max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
             if len(ids) + max_tokens > limit:
                 raise ValueError(f"prompt {n}: {len(ids)} prompt tokens + max_tokens {max_tokens} is over "
