@@ -171,3 +171,14 @@ def test_llm_generate_gives_the_served_greedy_tokens(client, hf_dir):
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 64  # the resend hits the prefix cache
     by_ids = llm.generate({"prompt_token_ids": first.prompt_token_ids}, params)[0]
     assert by_ids.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_min_tokens_and_stop_token_ids(client):
+    kw = dict(model="tiny-hf", prompt="import os\n", max_tokens=8)
+    first = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"][0]
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [first]}).choices[0]
+    assert stopped.model_extra["token_ids"] == [first] and stopped.finish_reason == "stop"
+    assert stopped.model_extra["stop_reason"] == first and stopped.text == ""  # the stop token is not shown
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [first], "min_tokens": 3}).choices[0]
+    ids = held.model_extra["token_ids"]
+    assert len(ids) >= 3 and first not in ids[:3]
