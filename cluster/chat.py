@@ -7,7 +7,8 @@ a list of named templates: "default" is used). It is rendered in the same sandbo
 uses (`ImmutableSandboxedEnvironment`, `trim_blocks`, `lstrip_blocks`, loop controls, its
 `tojson`, `raise_exception`, `strftime_now`) with the tokenizer's special-token strings
 (`bos_token`, `eos_token`, ...), `messages` with None-valued keys dropped (so an assistant
-`content: null` is simply absent, as transformers does) and `add_generation_prompt`. The result
+`content: null` is simply absent, as transformers does) and reasoning fields aliased, `tools` and
+`documents` None, and `add_generation_prompt`; `{% generation %}` blocks render their body. The result
 is tokenized without adding special tokens: the template writes them itself.
 
 The tiny byte-level checkpoint has no template; it gets `DEFAULT_TEMPLATE`:
@@ -63,7 +64,34 @@ def message_dict(message) -> dict:
     else:
         data = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(vars(message))
     data["content"] = message_text(message if isinstance(message, dict) else data)
-    return {k: v for k, v in data.items() if v is not None}
+    data = {k: v for k, v in data.items() if v is not None}
+    reasoning = next((data[k] for k in REASONING_FIELDS if data.get(k) is not None), None)
+    if reasoning is not None:  # transformers fills the standard name and gpt-oss's `thinking`
+        data = {"thinking": reasoning, **data, "reasoning_content": reasoning}
+    return data
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, standard one first
+
+
+def _generation_tag():
+    """transformers' `{% generation %}...{% endgeneration %}` block (it marks assistant tokens for
+    training masks); here it renders its body unchanged, as transformers does when not tracking."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    return GenerationTag
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,7 +106,8 @@ def _compile(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tag(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -100,8 +129,8 @@ class ChatTemplate:
 
         try:
             return _compile(self.source).render(
-                messages=[message_dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs})
+                messages=[message_dict(m) for m in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.origin}): {exc}") from None
 
@@ -124,7 +153,11 @@ def load_chat_template(model_dir: str | Path, override: str | None = None,
     model_dir = Path(model_dir)
     if override:
         path = Path(override)
-        if path.is_file():
+        try:
+            is_file = path.is_file()
+        except OSError:  # e.g. an inline template longer than a file name may be
+            is_file = False
+        if is_file:
             return ChatTemplate(path.read_text(), special_tokens, str(path))
         if "{" not in override:
             raise ChatTemplateError(f"--chat-template {override!r}: no such file (and not an inline template)")

@@ -120,3 +120,20 @@ def test_stop_string_not_matched_flushes_everything(hf_dir):
     out = "".join(stream.feed([i])[0] for i in ids)
     assert out == "lazy dog " and not stream.stopped  # "zz" held back: it may start "zzz"
     assert out + stream.feed([], final=True)[0] == "lazy dog zz"
+
+
+TRICKY = ("{% if tools is not none %}TOOLS{% endif %}{% for m in messages %}{% if m.role == 'assistant' %}"
+          "{% generation %}[{{ m.get('thinking', '') }}|{{ m.content | default('') }}]{% endgeneration %}"
+          "{% else %}{{ m.role }}:{{ m.content | tojson }}\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}>{% endif %}")
+
+
+def test_template_features_render_as_transformers(hf_dir, reference):
+    """`tools is not none`, `{% generation %}`, reasoning aliases, tojson of non-ASCII, null content."""
+    messages = [{"role": "user", "content": "héllo \"x\""},
+                {"role": "assistant", "content": "a", "reasoning_content": "why"},
+                {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]
+    template = load_chat_template(hf_dir, TRICKY, load_tokenizer(hf_dir).special_tokens)
+    theirs = reference.apply_chat_template(messages, chat_template=TRICKY, add_generation_prompt=True,
+                                           tokenize=False)
+    assert template.render(messages) == theirs and "TOOLS" not in theirs and "[why|a]" in theirs
