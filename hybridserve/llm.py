@@ -60,6 +60,7 @@ class LLM:
         if num_speculative_tokens is not None:
             settings["num_spec_tokens"] = num_speculative_tokens
         config = EngineConfig(**settings)
+        self._embedded_ray = False  # set when TP > 1 started a local Ray here (close() stops it)
         self.engine = self._build_engine(config, tensor_parallel_size, torch_dtype)
         self.tensor_parallel_size = tensor_parallel_size
         self.seed = seed
@@ -76,7 +77,7 @@ class LLM:
         from cluster.ray_cluster import connect_ray
         from workers.tp_worker import create_tp_engine
 
-        connect_ray(None)
+        self._embedded_ray = connect_ray(None) == "embedded"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         return create_tp_engine(self.model_dir, config, tp_size, backend, dtype=dtype)
 
@@ -88,10 +89,15 @@ class LLM:
         return self.text.tokenizer
 
     def close(self) -> None:
-        """Stops the TP actors (TP > 1); the in-process engine needs nothing."""
+        """Stops the TP actors (TP > 1) and a Ray this LLM started; the in-process engine needs nothing."""
         close = getattr(self.engine.model, "close", None)
         if close is not None:
             close()
+        if self._embedded_ray:
+            import ray
+
+            ray.shutdown()
+            self._embedded_ray = False
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -137,3 +137,39 @@ def test_template_features_render_as_transformers(hf_dir, reference):
     theirs = reference.apply_chat_template(messages, chat_template=TRICKY, add_generation_prompt=True,
                                            tokenize=False)
     assert template.render(messages) == theirs and "TOOLS" not in theirs and "[why|a]" in theirs
+
+
+def _llama_style_tokenizer(out: Path) -> Path:
+    """SentencePiece-style BPE as Llama ships it: "▁" for spaces, byte fallback, a decoder that
+    strips the first leading space (so a token decodes differently alone than in context)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    from tests.cluster.hf_checkpoint import CORPUS
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer(tmp_path_factory):
+    return load_tokenizer(_llama_style_tokenizer(tmp_path_factory.mktemp("llama")))
+
+
+@settings(max_examples=30, derandomize=True, deadline=None)
+@given(st.text(alphabet="ab é✓😀\nfox日ß", min_size=1, max_size=24))
+def test_llama_style_streaming_equals_decode(llama_tokenizer, s):
+    tok = llama_tokenizer
+    assert sum(tok._tok.id_to_token(i).startswith("<0x") for i in tok.encode("日")) == 3  # byte fallback in play
+    ids = tok.encode(s)
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.feed([i], final=n == len(ids) - 1) for n, i in enumerate(ids)]
+    assert "".join(pieces) == tok.decode(ids) and all("\ufffd" not in p for p in pieces)
