@@ -1,5 +1,12 @@
-"""`hybridserve serve --config configs/local.yaml` (also `python -m cluster.serve`, which is what
+"""`hybridserve serve [MODEL] [vllm serve flags]` (also `python -m cluster.serve`, which is what
 `ray job submit --working-dir . -- python -m cluster.serve --config ...` runs on a cluster).
+
+Settings come from `--config` YAML (default `configs/local.yaml` when it exists, else the built-in
+defaults), then `--set key.path=value`, then the `vllm serve`-style flags, each overriding the one
+before: MODEL / `--model` (model.path; a missing dir is an error naming it, never a random
+checkpoint), `--host`, `--port`, `--api-key`, `--served-model-name`, `--tensor-parallel-size`,
+`--dtype`, `--max-model-len`, `--num-speculative-tokens`, `--[no-]enable-prefix-caching`,
+`--chat-template`. The port is checked before anything starts.
 
 With `cluster.backend: ray` (the default) it starts or joins Ray (an embedded local cluster bound
 to 127.0.0.1 unless `cluster.ray_address` or $RAY_ADDRESS names one), the cache-service actor,
@@ -11,7 +18,6 @@ Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -73,7 +79,12 @@ class Server:
 def build_backend(config: ServeConfig, model_dir: str):
     """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
     c = config.cluster
-    engine_config = config.engine.replace(dtype=config.model.dtype)  # model.dtype: weights, activations, KV
+    dtype = config.model.dtype
+    if dtype == "auto":  # the checkpoint's own config.json dtype (float32 when it names none)
+        from hybridserve.llm import resolve_dtype
+
+        dtype = str(resolve_dtype(Path(model_dir), "auto")).removeprefix("torch.")
+    engine_config = config.engine.replace(dtype=dtype)  # model.dtype: weights, activations, KV
     if c.backend == "inprocess":
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
@@ -105,14 +116,21 @@ def build_backend(config: ServeConfig, model_dir: str):
 
 
 def build_app(config: ServeConfig) -> Server:
+    """Raises `ConfigError` (a missing model, unreadable tokenizer files or chat template)
+    before any backend is started."""
     from cluster.frontend import create_app
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text_model import load_text_model
 
     model_dir = resolve_model_dir(config)
+    try:
+        text = load_text_model(model_dir, config.model.chat_template)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     backend, autoscaler, embedded = build_backend(config, model_dir)
     try:
-        app = create_app(backend, Path(model_dir).name, api_key=config.http.api_key,
-                         tokenizer=load_tokenizer(model_dir), max_body_bytes=config.http.max_body_bytes)
+        app = create_app(backend, config.model.served_model_name or Path(model_dir).name,
+                         api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes, text=text,
+                         model_root=model_dir)
     except Exception:
         Server(None, backend, autoscaler, embedded).close()
         raise
@@ -120,25 +138,22 @@ def build_app(config: ServeConfig) -> Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybridserve serve", description=__doc__)
-    p.add_argument("--config", default="configs/local.yaml")
-    p.add_argument("--port", type=int, default=None, help="override http.port")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override one config value, e.g. --set router.policy=round_robin (repeatable)")
-    args = p.parse_args(argv)
+    from cluster.serve_args import check_port_free, parse_serve_args
+
+    args, settings = parse_serve_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, settings)
+        check_port_free(config.http.host, config.http.port)
         server = build_app(config)
     except ConfigError as exc:
         print(f"hybridserve serve: error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
-    port = args.port if args.port is not None else config.http.port
-    log.info("serving %s on http://%s:%d", config.model.path, config.http.host, port)
+    log.info("serving %s on http://%s:%d", config.model.path, config.http.host, config.http.port)
     try:
-        uvicorn.run(server.app, host=config.http.host, port=port, log_level="info")
+        uvicorn.run(server.app, host=config.http.host, port=config.http.port, log_level="info")
     finally:
         server.close()
     return 0
