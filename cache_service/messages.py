@@ -84,6 +84,7 @@ class RouteRequestMsg:
     num_output_tokens: int = 0  # max_tokens: counted in the chosen replica's pending load
     forced_replica: str | None = None  # route here if it is alive (tests, warm-up)
     exclude: tuple[str, ...] = ()  # replicas that just failed this request
+    dry_run: bool = False  # estimates only (warming a replica): no load is booked
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,9 @@ class CacheService:
             forced = msg.forced_replica
             decision = RouteDecision(forced, decision.policy, decision.hit_on(forced), decision.estimates,
                                      load_only=decision.load_only)
-        self.loads.add_pending(decision.replica_id, msg.num_prompt_tokens - decision.expected_hit_tokens
-                               + msg.num_output_tokens)
+        if not msg.dry_run:
+            self.loads.add_pending(decision.replica_id, msg.num_prompt_tokens - decision.expected_hit_tokens
+                                   + msg.num_output_tokens)
         self.counters["decisions"] += 1
         self.counters["load_only"] += decision.load_only
         return decision

@@ -60,6 +60,15 @@ def test_salted_pages_are_disjoint_from_unsalted_and_other_tenants():
     assert not keys("tenant-a") & keys("tenant-b") and not keys("tenant-a") & keys(None)
 
 
+def wait_until_indexed(backend, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while backend.index_problems():
+        assert time.monotonic() < deadline, backend.index_problems()
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def backend(tiny_dir):
     import ray
@@ -72,7 +81,7 @@ def backend(tiny_dir):
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ri", dir="/tmp")
     start_local_ray(num_cpus=2)
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-    b = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=2, sync_interval_s=0))
+    b = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=2, health_interval_s=0))
     yield b
     b.shutdown()
     ray.shutdown()
@@ -85,19 +94,21 @@ def test_through_the_cluster_tenants_never_hit_each_other_and_routing_ignores_th
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompt = make_prompt(600, 9)
-    queued = {r: 0 for r in backend.replica_ids}
 
     def decision_for_b():
-        with backend._route_lock:
-            backend._sync()
-        return ray.get(backend.service.route.remote(prompt, "tenant-b", queued))
+        from cache_service.messages import RouteRequestMsg
+
+        wait_until_indexed(backend)  # every pushed event is in the index
+        msg = RouteRequestMsg(backend.routing.hashes(prompt, "tenant-b"), len(prompt), "tenant-b", dry_run=True)
+        return ray.get(backend.service.route.remote(msg))
 
     before = decision_for_b()
     a_cold, a_replica = backend.generate(prompt, params, cache_salt="tenant-a")
     a_warm, again = backend.generate(prompt, params, cache_salt="tenant-a")
     assert a_warm.num_cached_tokens == 576 and again == a_replica  # the control: A's own resend hits
     after = decision_for_b()
-    assert after == before and all(e.hit_tokens == 0 for e in after.estimates)
+    assert all(e.hit_tokens == 0 and e.attention_tokens == 0 for e in before.estimates + after.estimates)
+    assert backend.service_stats()["num_entries"] > 0  # A's blocks are indexed: B sees none of them
     for replica in backend.replica_ids:  # wherever another tenant lands (A's holder too): a cold prefill
         b_out, served = backend.generate(prompt, params, cache_salt=f"tenant-b-{replica}", replica_id=replica)
         assert served == replica and b_out.num_cached_tokens == 0 and b_out.token_ids == a_cold.token_ids
