@@ -91,6 +91,7 @@ class ClusterBackend:
         self.metrics = None
         self.num_retries = 0
         self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
+        self._service_epoch: str | None = None
         self.replicas.add(self.config.num_replicas)
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
@@ -242,10 +243,11 @@ class ClusterBackend:
         """Routing, transfer, failure and resync counts (resyncs: as the cache service counts them,
         summed across its restarts)."""
         try:
-            now = ray.get(self.service.stats.remote(), timeout=2.0)["resyncs"]
-            if now < self._resyncs_seen:  # a restarted service counts from 0 again
+            stats = ray.get(self.service.stats.remote(), timeout=2.0)
+            if stats["epoch"] != self._service_epoch:  # a restarted service counts from 0 again
                 self._resyncs_before += self._resyncs_seen
-            self._resyncs_seen = now
+                self._service_epoch = stats["epoch"]
+            self._resyncs_seen = stats["resyncs"]
         except (RayActorError, GetTimeoutError):
             pass
         return {"replica_deaths": self.replicas.num_deaths, **self.routing.counters, **self.transfers.counters,

@@ -23,11 +23,21 @@ from workers.transfer_channel import PairChannel, StoreHost, channel_namespace
 GROUPS = ["full:16", "mamba:64", "draft:16"]
 
 
-def _service() -> CacheService:
-    service = CacheService(GROUPS, "lossless", "fp")
-    for r in ("r0", "r1"):
+def _service(queued: dict[str, int]) -> CacheService:
+    from cache_service.messages import LoadReportMsg
+
+    service = CacheService(GROUPS, "lossless", "fp", seed=0)
+    for r, tokens in queued.items():
         service.add_replica(r)
+        service.loads.report(r, LoadReportMsg(num_queued_tokens=tokens))
     return service
+
+
+def _route(service: CacheService, prompt: list[int], salt: str):
+    from cache_service.messages import RouteRequestMsg
+
+    h = RequestBlockHashes(service.layout.hash_block_size, prompt, model_fingerprint="fp", cache_salt=salt)
+    return service.route(RouteRequestMsg(tuple(h.hashes), len(prompt), salt, dry_run=True))
 
 
 def _hold(service: CacheService, replica: str, prompt: list[int], salt: str) -> None:
@@ -40,13 +50,13 @@ def _hold(service: CacheService, replica: str, prompt: list[int], salt: str) -> 
 
 def test_another_tenants_prefix_gives_no_hit_and_leaves_the_decision_unchanged():
     prompt, queued = make_prompt(700, 5), {"r0": 300, "r1": 0}
-    before = _service().route(prompt, "tenant-b", queued)
-    service = _service()
+    before = _route(_service(queued), prompt, "tenant-b")
+    service = _service(queued)
     _hold(service, "r0", prompt, "tenant-a")
-    after = service.route(prompt, "tenant-b", queued)
+    after = _route(service, prompt, "tenant-b")
     assert all(e.hit_tokens == 0 and e.attention_tokens == 0 for e in after.estimates)
     assert after == before and after.transfer is None
-    own = service.route(prompt, "tenant-a", queued)  # the control: A itself hits (r0 busy: a transfer)
+    own = _route(service, prompt, "tenant-a")  # the control: A itself hits (r0 busy: a transfer)
     assert own.expected_hit_tokens == 640 and own.transfer is not None and own.transfer.src_replica == "r0"
 
 
