@@ -2,7 +2,8 @@
 no fault-injection methods:
 
     FaultyReplica     a replica whose event publisher can lose ("drop") or reorder ("reorder")
-                      its next non-empty batch; `inject_event_fault(kind)` arms it
+                      its next non-empty batch (`inject_event_fault(kind)`), and whose health
+                      checks can stop answering (`stall_health_checks()`)
     kill_replica      kill a replica actor without telling anyone (the death is discovered)
     kill_cache_service  kill the cache service; Ray restarts it empty and replicas resync into it
 """
@@ -52,6 +53,18 @@ class FaultyReplica(TransferReplica):
         if kind not in EVENT_FAULTS:
             raise ValueError(f"event fault must be one of {EVENT_FAULTS}, got {kind!r}")
         self.publisher.fault, self.publisher.fired_s = kind, None
+
+    @ray.method(concurrency_group="control")
+    def stall_health_checks(self) -> None:
+        """From now on `ping` never answers (a replica that stopped responding)."""
+        self._stalled = True
+        self.fault_fired_s = time.time()
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> str:
+        while getattr(self, "_stalled", False):
+            time.sleep(0.1)
+        return super().ping()
 
     @ray.method(concurrency_group="control")
     def fault_time(self) -> float | None:

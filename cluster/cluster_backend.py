@@ -70,6 +70,8 @@ class BackendConfig:
     hot_prefixes: int = 32  # remembered for warming new replicas
     transfer_timeout_s: float = 120.0
     health_interval_s: float = 2.0  # replicas pinged this often (0: only when a call fails)
+    health_timeout_s: float = 10.0  # a ping unanswered this long is missed...
+    health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
     cluster_name: str | None = None  # names the cache-service actor (default: a fresh one)
 
 
@@ -133,7 +135,7 @@ class ClusterBackend:
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
             try:
-                self.replicas.check_health()
+                self.replicas.check_health(self.config.health_max_missed, self.config.health_timeout_s)
             except Exception:  # noqa: BLE001 - keep checking
                 log.exception("health check failed")
 

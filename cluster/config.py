@@ -41,7 +41,7 @@ class ClusterConfig:
     tp_size: int = 1
     distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
     num_gpus_per_rank: float = 0.0
-    max_inflight: int = 256  # accepted unfinished requests; beyond this, HTTP 429
+    max_inflight: int = 4096  # accepted unfinished requests (queued, not refused); beyond this, HTTP 429
     scale_up_queue_depth: float = 4.0  # autoscaler: add a replica above this many requests per replica
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0

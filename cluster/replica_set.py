@@ -73,7 +73,7 @@ class ReplicaSet:
         for node in self.spread(n):
             rid = f"replica-{next(self._ids)}"
             pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK",
-                                 name=f"{self.namespace or 'hs'}-{rid}", _soft_target_node_id=node)
+                                 name=f"{self.service_name}-{rid}", _soft_target_node_id=node)
             rank0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             ranks = {"num_cpus": c.replica_num_cpus, "num_gpus": c.replica_num_gpus,
                      "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=-1)}
