@@ -44,6 +44,7 @@ class GlobalIndex:
         self.holders: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self.replicas: dict[str, ReplicaState] = {}
         self.by_bit: dict[int, str] = {}
+        self._routable: int | None = None  # cached bitmask of non-stale replicas (None: recompute)
         self._lock = threading.RLock()
 
     # ---- membership -----------------------------------------------------------------------
@@ -55,6 +56,7 @@ class GlobalIndex:
             state = ReplicaState(replica_id, bit, stale=stale, num_entries=[0] * self.num_groups)
             self.replicas[replica_id] = state
             self.by_bit[bit] = replica_id
+            self._routable = None
             return state
 
     def purge(self, replica_id: str) -> int:
@@ -65,6 +67,7 @@ class GlobalIndex:
                 return 0
             removed = self._clear_bits(state)
             del self.by_bit[state.bit]
+            self._routable = None
             return removed
 
     def _clear_bits(self, state: ReplicaState) -> int:
@@ -85,7 +88,7 @@ class GlobalIndex:
             if end_seq <= state.next_seq:
                 return ApplyResult(0, False)
             if first_seq != state.next_seq:
-                state.stale = True
+                state.stale, self._routable = True, None
                 return ApplyResult(0, True)
             mask = 1 << state.bit
             counts = state.num_entries
@@ -125,6 +128,7 @@ class GlobalIndex:
             if event.seq != events[0].seq + offset:  # reordered inside the batch: a gap
                 with self._lock:
                     (self.replicas.get(replica_id) or self.add_replica(replica_id)).stale = True
+                    self._routable = None
                 return ApplyResult(0, True)
         return self.apply_batch(replica_id, events[0].seq, events[-1].seq + 1, pack_events(events))
 
@@ -134,7 +138,7 @@ class GlobalIndex:
         with self._lock:
             state = self.replicas.get(replica_id) or self.add_replica(replica_id)
             self._clear_bits(state)
-            state.stale, state.resync_id = True, resync_id
+            state.stale, state.resync_id, self._routable = True, resync_id, None
 
     def resync_chunk(self, replica_id: str, resync_id: str, group_id: int, keys: Iterable[BlockHash]) -> bool:
         """Add one chunk; False if no such resync is in progress (e.g. the service restarted)."""
@@ -156,7 +160,7 @@ class GlobalIndex:
             state = self.replicas.get(replica_id)
             if state is None or state.resync_id != resync_id:
                 return False
-            state.next_seq, state.stale, state.resync_id = next_seq, False, None
+            state.next_seq, state.stale, state.resync_id, self._routable = next_seq, False, None, None
             return True
 
     def resync(self, replica_id: str, contents: Sequence[Iterable[BlockHash]], next_seq: int) -> None:
@@ -174,12 +178,26 @@ class GlobalIndex:
     def routable_replicas(self) -> list[str]:
         return [r for r, s in self.replicas.items() if not s.stale]
 
-    def routable_mask(self) -> int:
+    def mask_of(self, replica_ids: Iterable[str]) -> int:
+        """The bits of those of `replica_ids` whose entries can be trusted (known, not stale)."""
+        routable = self.routable_mask()
+        if replica_ids is self.replicas.keys() or replica_ids == self.replicas.keys():
+            return routable
         mask = 0
-        for s in self.replicas.values():
-            if not s.stale:
+        for r in replica_ids:
+            s = self.replicas.get(r)
+            if s is not None:
                 mask |= 1 << s.bit
-        return mask
+        return mask & routable
+
+    def routable_mask(self) -> int:
+        if self._routable is None:
+            mask = 0
+            for s in self.replicas.values():
+                if not s.stale:
+                    mask |= 1 << s.bit
+            self._routable = mask
+        return self._routable
 
     @property
     def num_entries(self) -> int:

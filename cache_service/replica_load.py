@@ -31,6 +31,8 @@ class LoadBook:
         self.pending_ttl_s = pending_ttl_s
         self.clock = clock
         self._loads: dict[str, _Load] = {}
+        self.current: dict[str, int] = {}  # replica -> queued tokens (report + pending), kept up to date
+        self._next_expiry = 0.0
 
     def report(self, replica_id: str, report: LoadReportMsg) -> None:
         load = self._loads.setdefault(replica_id, _Load())
@@ -38,11 +40,22 @@ class LoadBook:
         for _ in range(min(arrived, len(load.pending))):
             load.pending_tokens -= load.pending.popleft()[1]
         load.report = report
+        self.current[replica_id] = report.num_queued_tokens + load.pending_tokens
 
     def add_pending(self, replica_id: str, tokens: int) -> None:
         load = self._loads.setdefault(replica_id, _Load())
         load.pending.append((self.clock(), tokens))
         load.pending_tokens += tokens
+        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+
+    def view(self) -> dict[str, int]:
+        """`current`, after dropping expired pending entries (checked at most every 0.1 s)."""
+        now = self.clock()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 0.1
+            for r in [r for r, load in self._loads.items() if load.pending]:
+                self.queued_tokens(r)
+        return self.current
 
     def queued_tokens(self, replica_id: str) -> int:
         load = self._loads.get(replica_id)
@@ -51,7 +64,8 @@ class LoadBook:
         horizon = self.clock() - self.pending_ttl_s
         while load.pending and load.pending[0][0] < horizon:
             load.pending_tokens -= load.pending.popleft()[1]
-        return load.report.num_queued_tokens + load.pending_tokens
+        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+        return self.current[replica_id]
 
     def num_requests(self, replica_id: str) -> int:
         load = self._loads.get(replica_id)
@@ -59,6 +73,7 @@ class LoadBook:
 
     def forget(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
+        self.current.pop(replica_id, None)
 
     def snapshot(self) -> dict[str, dict]:
         return {r: {"queued_tokens": self.queued_tokens(r), "requests": self.num_requests(r),

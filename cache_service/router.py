@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -44,6 +44,9 @@ class RouterConfig:
     min_transfer_tokens: int = 256
 
 
+MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages from the best one)
+
+
 class NoReplicaError(RuntimeError):
     """No routable replica (none registered, or all stale/dead)."""
 
@@ -60,23 +63,26 @@ class Router:
         self.scorer = AllReplicaScorer(coordinator)
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
-              queued_tokens: Mapping[str, int] | None = None) -> RouteDecision:
-        """`queued_tokens`: the candidate replicas and their load (default: every indexed replica,
-        idle). Candidates the index cannot vouch for (stale, unknown) count as hitting nothing."""
-        load = dict(queued_tokens) if queued_tokens is not None else dict.fromkeys(self.index.replicas, 0)
-        replicas = sorted(load)
-        if not replicas:
+              queued_tokens: Mapping[str, int] | None = None, candidates: Collection[str] | None = None,
+              forced: str | None = None) -> RouteDecision:
+        """`candidates` (default: the keys of `queued_tokens`, else every indexed replica) with
+        their load in `queued_tokens` (missing: 0). Candidates the index cannot vouch for (stale,
+        unknown) count as hitting nothing. Costs O(blocks + replicas): only replicas that hit
+        something are costed one by one; the others differ only in load. `forced` (if a
+        candidate) is chosen whatever it costs. The decision's estimates list the chosen replica
+        and the `MAX_ESTIMATES` best holders."""
+        load = queued_tokens if queued_tokens is not None else {}
+        if candidates is None:
+            candidates = load.keys() if queued_tokens is not None else self.index.replicas.keys()
+        if not candidates:
             raise NoReplicaError("no routable replica")
         policy = self.policy.value
-        if self.policy is RoutingPolicy.ROUND_ROBIN:
-            return RouteDecision(replicas[next(self._rr) % len(replicas)], policy, 0, ())
-        if self.policy is RoutingPolicy.RANDOM:
-            return RouteDecision(self._rng.choice(replicas), policy, 0, ())
-        states, everyone = self.index.replicas, 0
-        for r in replicas:
-            s = states.get(r)
-            if s is not None and not s.stale:
-                everyone |= 1 << s.bit
+        if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
+            replicas = sorted(candidates)
+            pick = (replicas[next(self._rr) % len(replicas)] if self.policy is RoutingPolicy.ROUND_ROBIN
+                    else self._rng.choice(replicas))
+            return RouteDecision(pick, policy, 0, ())
+        everyone = self.index.mask_of(candidates)
         hits: dict[str, int] = {}
         attention: dict[str, int] = {}
         if everyone:
@@ -85,21 +91,35 @@ class Router:
             attention = {by_bit[b]: v for b, v in scores.attention_tokens.items()}
             hits = attention if self.policy is RoutingPolicy.ATTENTION_OVERLAP else {
                 by_bit[b]: v for b, v in scores.hit_tokens.items()}
+        special = hits.keys() | attention.keys()
         best_key, best = None, []
-        for r in replicas:
-            cost = self._cost(num_prompt_tokens, hits.get(r, 0), load[r])
-            key = (cost, -attention.get(r, 0), load[r])
+        for r in special:
+            n = load.get(r, 0)
+            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n), -attention.get(r, 0), n)
             if best_key is None or key < best_key:
                 best_key, best = key, [r]
             elif key == best_key:
                 best.append(r)
-        chosen = best[0] if len(best) == 1 else self._rng.choice(best)
-        estimate = {r: ReplicaEstimate(r, hits.get(r, 0), self._cost(num_prompt_tokens, hits.get(r, 0), load[r]),
-                                       attention.get(r, 0))
-                    for r in sorted({chosen, *hits, *attention})}
+        rest = candidates - special if special else candidates
+        least = min((load.get(r, 0) for r in rest), default=None)
+        idle = [r for r in rest if load.get(r, 0) == least] if least is not None else []
+        if idle:
+            key = (self._cost(num_prompt_tokens, 0, least), 0, least)
+            if best_key is None or key < best_key:
+                best_key, best = key, idle
+            elif key == best_key:
+                best = best + idle
+        chosen = best[0] if len(best) == 1 else self._rng.choice(sorted(best))
+        if forced is not None and forced in candidates:
+            chosen = forced
+        holders = sorted(special, key=lambda r: (-hits.get(r, 0), -attention.get(r, 0), r))[:MAX_ESTIMATES]
+        estimate = {r: ReplicaEstimate(r, hits.get(r, 0), self._cost(num_prompt_tokens, hits.get(r, 0),
+                                                                     load.get(r, 0)), attention.get(r, 0))
+                    for r in sorted({chosen, *holders})}
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
-        if self.policy is RoutingPolicy.HYBRID and hits:
-            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0])
+        if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
+            lightest = min(idle) if idle else None
+            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
         return decision
 
     def _cost(self, num_prompt_tokens: int, hit: int, load: int) -> float:
@@ -107,22 +127,22 @@ class Router:
         return (num_prompt_tokens - hit) * c.prefill_cost_per_token + load * c.load_cost_per_queued_token
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
-                        best_cost: float) -> RouteDecision:
+                        best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:
+        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits)."""
         c = self.config
         holder = max(decision.estimates, key=lambda e: (e.hit_tokens, -e.cost))
         if holder.hit_tokens < c.min_transfer_tokens:
             return decision
-        hit = {e.replica_id: e.hit_tokens for e in decision.estimates}
-        dst = min((r for r in load if r != holder.replica_id and hit.get(r, 0) < holder.hit_tokens),
-                  key=lambda r: (load[r], r), default=None)
+        options = [r for r, h in hits.items() if r != holder.replica_id and h < holder.hit_tokens]
+        dst = min(options + ([lightest] if lightest else []), key=lambda r: (load.get(r, 0), r), default=None)
         if dst is None:
             return decision
-        cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load[dst])
+        cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load.get(dst, 0))
                 + holder.hit_tokens * c.transfer_cost_per_token)
         if cost >= best_cost:
             return decision
         plan = TransferPlan(holder.replica_id, dst, holder.hit_tokens)
         estimates = decision.estimates
-        if dst not in hit:
-            estimates = (*estimates, ReplicaEstimate(dst, 0, self._cost(num_prompt_tokens, 0, load[dst])))
+        if dst not in {e.replica_id for e in estimates}:
+            estimates = (*estimates, ReplicaEstimate(dst, 0, self._cost(num_prompt_tokens, 0, load.get(dst, 0))))
         return RouteDecision(dst, decision.policy, holder.hit_tokens, estimates, plan)

@@ -85,20 +85,30 @@ class CacheService:
         """The replica to serve `msg`, its expected hit and an optional transfer plan. Every
         replica is scored in one pass; load comes from the replicas' own reports plus what was
         routed to them since. Raises `NoReplicaError` when no replica is known."""
-        load = {r: self.loads.queued_tokens(r) for r in self.index.replicas if r not in msg.exclude}
-        if not load:
+        candidates = self.index.replicas.keys()
+        if msg.exclude:
+            candidates = candidates - set(msg.exclude)
+        if not candidates:
             raise NoReplicaError("no live replica known to the cache service")
-        decision = self.router.route(msg.block_hashes, msg.num_prompt_tokens, load)
-        if msg.forced_replica in load and msg.forced_replica != decision.replica_id:
-            forced = msg.forced_replica
-            decision = RouteDecision(forced, decision.policy, decision.hit_on(forced), decision.estimates,
-                                     load_only=decision.load_only)
+        decision = self.router.route(msg.block_hashes, msg.num_prompt_tokens, self.loads.view(), candidates,
+                                     msg.forced_replica)
         if not msg.dry_run:
             self.loads.add_pending(decision.replica_id, msg.num_prompt_tokens - decision.expected_hit_tokens
                                    + msg.num_output_tokens)
         self.counters["decisions"] += 1
         self.counters["load_only"] += decision.load_only
         return decision
+
+    def route_many(self, msgs: list[RouteRequestMsg]) -> list[RouteDecision | None]:
+        """`route` for a batch a front door collected while its previous calls were in flight
+        (one Ray call's overhead for all of them). None where no replica is known."""
+        out = []
+        for msg in msgs:
+            try:
+                out.append(self.route(msg))
+            except NoReplicaError:
+                out.append(None)
+        return out
 
     def ping(self) -> str:
         return self.epoch

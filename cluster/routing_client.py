@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+from collections import deque
+from concurrent.futures import Future
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.messages import RouteDecision, RouteRequestMsg
@@ -23,6 +25,48 @@ from workers.replica_messages import GenerateMsg
 log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 10.0
+
+
+class RouteBatcher:
+    """At most `max_in_flight` route calls in flight; requests that arrive meanwhile ride the next
+    call together (`CacheService.route_many`). At a low rate every request is its own call; under
+    load the per-call overhead of Ray is shared, so throughput grows instead of latency."""
+
+    def __init__(self, get_service, max_in_flight: int = 2, max_batch: int = 128,
+                 timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+        self.get_service = get_service
+        self.max_batch = max_batch
+        self.timeout_s = timeout_s
+        self.num_calls = 0
+        self._pending: deque = deque()
+        self._cv = threading.Condition()
+        for i in range(max_in_flight):
+            threading.Thread(target=self._run, name=f"route-batcher-{i}", daemon=True).start()
+
+    def submit(self, msg: RouteRequestMsg) -> Future:
+        """A future of the decision (None: the service knows no replica)."""
+        future: Future = Future()
+        with self._cv:
+            self._pending.append((msg, future))
+            self._cv.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                batch = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch))]
+            try:
+                ref = self.get_service().route_many.remote([msg for msg, _ in batch])
+                self.num_calls += 1
+                results = ray.get(ref, timeout=self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - every waiter learns why
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), decision in zip(batch, results):
+                future.set_result(decision)
 
 
 class RoutingClient:
@@ -36,6 +80,7 @@ class RoutingClient:
         self.counters = {"routed": 0, "load_only": 0}
         self._rng = random.Random(seed)
         self._service = None
+        self.batcher = RouteBatcher(lambda: self.service, timeout_s=timeout_s)
 
     @property
     def service(self):
@@ -58,10 +103,8 @@ class RoutingClient:
                                   msg.cache_salt, msg.max_tokens, forced if forced in candidates else None,
                                   tuple(exclude), dry_run)
         try:
-            decision = ray.get(self.service.route.remote(request), timeout=self.timeout_s)
-        except NoReplicaError:
-            decision = None  # a restarted service that has heard from no replica yet
-        except (RayActorError, GetTimeoutError, ValueError) as exc:  # ValueError: no such actor (yet)
+            decision = self.batcher.submit(request).result()  # None: a restarted service that knows no replica
+        except Exception as exc:  # noqa: BLE001 - dead, restarting, not created yet: route by load
             log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
             self._service = None
             decision = None

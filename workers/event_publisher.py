@@ -67,6 +67,15 @@ class EventPublisher:
             self.load = load
         self._wake.set()
 
+    def request_resync(self) -> None:
+        self._needs_resync = True
+        self._wake.set()
+
+    @property
+    def in_sync(self) -> bool:
+        """The service accepted this replica's last push or resync."""
+        return self.epoch is not None and not self._needs_resync
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
