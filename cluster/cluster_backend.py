@@ -1,21 +1,22 @@
-"""The cluster behind an HTTP front door: it has the `EngineRunner` interface the front end drives
-(`submit(prompt, params, cache_salt) -> RequestStream`, `abort`, `num_unfinished`) and composes
-one object per concept:
+"""A front door onto the cluster: it has the `EngineRunner` interface the HTTP front end drives
+(`submit(prompt, params, cache_salt) -> RequestStream`, `abort`, `num_unfinished`). Several
+front doors may serve one cluster; each composes one object per concept:
 
-    ReplicaSet      (replica_set.py)     replica actors: start in placement groups, stop, purge, health
-    CacheService    (cache_service/)     a named actor: the index (fed by pushed event batches) + routing
-    RoutingClient   (routing_client.py)  one call per decision; load-only while the service is down
-    Transfers       (transfers.py)       prefix-page moves, hot prefixes, warming new replicas
+    controller      (controller.py, a detached named actor: found, or started by the first front
+                    door) replica lifecycle, health, autoscaling, warm-up, transfers
+    MembershipView  (membership.py)      the replicas' handles, refreshed from the controller
+    RoutingClient   (routing_client.py)  one cache-service call per decision (batched under load);
+                                         load-only routing while the service is down
     request_streams (request_streams.py) serving one request: retries, token deltas, no token twice
 
     submit(request)                                   (returns at once; a worker thread serves it)
       1. route: one call to the cache service (no lock, no pull); if the plan says the holder is
-         busy, its pages move to the chosen replica first (recompute on any transfer failure)
+         busy, the controller moves its pages to the chosen replica first (recompute on failure)
       2. stream the replica's token deltas into the request's stream
-      3. the replica died or reports itself unhealthy: it is purged (and stopped), the request is
-         served elsewhere; tokens the caller already has are not sent twice (greedy and seeded
-         outputs are deterministic; an unseeded sampled request that had already streamed fails
-         with a retryable error)
+      3. the replica died or reports itself unhealthy: the controller purges (stops) it, the
+         request is served elsewhere; tokens the caller already has are not sent twice (greedy and
+         seeded outputs are deterministic; an unseeded sampled request that had already streamed
+         fails with a retryable error)
       4. the cache service is down: route by load until Ray has restarted it; every replica then
          resyncs into it by itself (its next push is refused)
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,11 +38,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
-from cache_service.service import CacheService
-from cluster.replica_set import ReplicaSet
+from cluster.autoscaler import AutoscalerConfig
+from cluster.controller import ClusterController, controller_name
+from cluster.membership import MembershipView
+from cluster.messages import TransferMsg
 from cluster.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.routing_client import RoutingClient
-from cluster.transfers import Transfers
+from cluster.transfers import Transfers, plan_transfer
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
@@ -51,6 +55,7 @@ from workers.replica_messages import GenerateMsg
 log = logging.getLogger(__name__)
 
 SERVICE_TIMEOUT_S = 10.0
+MEMBERSHIP_INTERVAL_S = 0.5
 
 __all__ = ["BackendConfig", "ClusterBackend", "ReplicaFailedError"]
 
@@ -72,20 +77,31 @@ class BackendConfig:
     health_interval_s: float = 2.0  # replicas pinged this often (0: only when a call fails)
     health_timeout_s: float = 10.0  # a ping unanswered this long is missed...
     health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
-    cluster_name: str | None = None  # names the cache-service actor (default: a fresh one)
+    cluster_name: str | None = None  # names the controller and cache-service actors (default: a fresh one)
+    autoscaler: AutoscalerConfig | None = None  # run by the controller (None: a fixed replica count)
 
 
 class ClusterBackend:
     def __init__(self, model_dir: str, engine_config, config: BackendConfig | None = None,
                  replica_cls: type = TransferReplica) -> None:
+        """Attach to the cluster named `config.cluster_name` if its controller runs; else start it
+        (a detached controller: it outlives this front door until `shutdown(stop_cluster=True)`)."""
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.config = config or BackendConfig()
         self.name = self.config.cluster_name or f"hybridserve-{secrets.token_hex(4)}"
         self.namespace = ray.get_runtime_context().namespace
-        self.service_name = f"{self.name}-cache-service"
-        self.replicas = ReplicaSet(model_dir, engine_config, self.config, self.service_name, self.namespace,
-                                   secrets.token_hex(16), replica_cls, on_purge=self._on_purge)
+        try:
+            self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
+            self.owns_cluster = False
+        except ValueError:
+            self.controller = ray.remote(ClusterController).options(
+                name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
+                max_concurrency=64, max_restarts=0, get_if_exists=True,
+            ).remote(self.name, model_dir, engine_config, self.config, replica_cls)
+            self.owns_cluster = True
+        ray.get(self.controller.ready.remote())
+        self.replicas = MembershipView(self.controller)
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
@@ -94,55 +110,48 @@ class ClusterBackend:
         self.num_retries = 0
         self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
         self._service_epoch: str | None = None
-        self.replicas.add(self.config.num_replicas)
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
                        "alignment": first.alignment}
-        self.service = ray.remote(CacheService).options(
-            name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(list(first.groups), first.eagle, first.fingerprint, self.config.policy, self.config.router)
-        ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
-        self.replicas.attach_all()
+        self.service_name = self.replicas.service_name
+        self.service = ray.get_actor(self.service_name, namespace=self.namespace)
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
-        self.transfers = Transfers(self.replicas, first.alignment, self.config.transfer_timeout_s,
-                                   self.config.hot_prefixes)
+        self.transfers = Transfers(self.replicas, first.alignment, hot_prefixes=self.config.hot_prefixes)
+        self.autoscaler = AutoscalerProxy(self.controller) if self.config.autoscaler is not None else None
         self._stop = threading.Event()
-        if self.config.health_interval_s > 0:
-            threading.Thread(target=self._health_loop, name="replica-health", daemon=True).start()
+        threading.Thread(target=self._follow_controller, name="membership", daemon=True).start()
 
-    # ---- replicas -----------------------------------------------------------------------------
+    def _follow_controller(self) -> None:
+        """Refresh the membership and hand this front door's hot prefixes to the controller."""
+        while not self._stop.wait(MEMBERSHIP_INTERVAL_S):
+            try:
+                self.replicas.refresh()
+                self.controller.note_hot.remote(self.transfers.hot_items())
+            except Exception:  # noqa: BLE001 - the controller is busy or gone: keep serving what we know
+                log.debug("membership refresh failed", exc_info=True)
+
+    # ---- replicas (the controller does it; these wait for it) ---------------------------------------
     def add_replicas(self, n: int) -> list[str]:
         """Start `n` replicas (in parallel) and wait until they serve."""
-        ids = self.replicas.add(n)
-        try:
-            ray.get([self.service.add_replica.remote(r) for r in ids], timeout=SERVICE_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError):
-            pass  # a restarted service learns them from their pushes
-        ray.get([self.replicas.get(r).actor.attach_service.remote(self.service_name, self.namespace) for r in ids])
+        ids = ray.get(self.controller.add_replicas.remote(n))
+        self.replicas.refresh()
         return ids
 
     def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:
         """Drain (no new requests), wait for its requests to finish, then stop it."""
-        self.replicas.remove(replica_id, timeout_s)
+        ray.get(self.controller.remove_replica.remote(replica_id, timeout_s))
+        self.replicas.refresh()
 
-    def _on_purge(self, replica_id: str) -> None:
+    def purge(self, replica_id: str, reason: str) -> None:
+        self.replicas.drop(replica_id)
         try:
-            ray.get(self.service.remove_replica.remote(replica_id), timeout=SERVICE_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError):
-            pass  # the service is down; a restarted one never hears from a stopped replica
-        self.transfers.forget_replica(replica_id)
-
-    def _health_loop(self) -> None:
-        while not self._stop.wait(self.config.health_interval_s):
-            try:
-                self.replicas.check_health(self.config.health_max_missed, self.config.health_timeout_s)
-            except Exception:  # noqa: BLE001 - keep checking
-                log.exception("health check failed")
+            ray.get(self.controller.report_failure.remote(replica_id, reason), timeout=60)
+        except Exception:  # noqa: BLE001 - the controller's health checks find it anyway
+            log.warning("could not report %s to the controller", replica_id)
 
     @property
     def replica_ids(self) -> list[str]:
         return self.replicas.ids
-
     # ---- the EngineRunner interface -------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
@@ -212,7 +221,9 @@ class ClusterBackend:
             self.metrics.record_route(self.config.policy if decision else "load_only", target)
         self.on_routed(job.msg, decision, target)
         if decision is not None:
-            self.transfers.maybe_transfer(job.msg.prompt_token_ids, job.msg.cache_salt, decision, target)
+            move = plan_transfer(decision, target)
+            if move is not None:
+                self.transfer(job.msg.prompt_token_ids, job.msg.cache_salt, *move)
         return target, decision
 
     def on_routed(self, msg: GenerateMsg, decision, target: str) -> None:
@@ -224,20 +235,21 @@ class ClusterBackend:
             if rep is not None:
                 rep.num_inflight -= 1
 
-    def purge(self, replica_id: str, reason: str) -> None:
-        self.replicas.purge(replica_id, reason)
-
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
                  num_tokens: int) -> bool:
-        return self.transfers.transfer(prompt_token_ids, cache_salt, src, dst, num_tokens)
+        """Move the pages of a `num_tokens` hit src -> dst (the controller does it: one transfer per
+        pair at a time, whichever front door asks). False on any failure (the request recomputes)."""
+        t0 = time.perf_counter()
+        ok = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
+                                                                 num_tokens)))
+        if self.metrics is not None and hasattr(self.metrics, "record_transfer"):
+            self.metrics.record_transfer(ok, time.perf_counter() - t0, 0)
+        return ok
 
     def warm(self, replica_id: str, limit: int | None = None) -> int:
         """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""
-        def route(prompt, salt):
-            inflight = dict.fromkeys(self.replicas.routable(), 0)
-            return self.routing.route(GenerateMsg(prompt, max_tokens=0, cache_salt=salt), inflight, dry_run=True)[1]
-
-        return self.transfers.warm(replica_id, route, limit)
+        ray.get(self.controller.note_hot.remote(self.transfers.hot_items()))
+        return ray.get(self.controller.warm.remote(replica_id, limit))
 
     # ---- status ---------------------------------------------------------------------------------
     @property
@@ -252,7 +264,12 @@ class ClusterBackend:
             self._resyncs_seen = stats["resyncs"]
         except (RayActorError, GetTimeoutError):
             pass
-        return {"replica_deaths": self.replicas.num_deaths, **self.routing.counters, **self.transfers.counters,
+        try:
+            controller = ray.get(self.controller.stats.remote(), timeout=10)
+        except Exception:  # noqa: BLE001
+            controller = {}
+        return {"replica_deaths": controller.get("replica_deaths", 0), "transfers": controller.get("transfers", 0),
+                "transfer_failures": controller.get("transfer_failures", 0), **self.routing.counters,
                 "retries": self.num_retries, "service_resyncs": self._resyncs_before + self._resyncs_seen}
 
     def stats(self) -> dict:
@@ -293,13 +310,39 @@ class ClusterBackend:
                                 f"replica seq {next_seq} entries {entries}")
         return problems
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_cluster: bool | None = None) -> None:
+        """Stop this front door (its requests are aborted); with `stop_cluster` (default: if this
+        front door started the cluster) also the controller, the replicas and the cache service."""
         self._stop.set()
         for job in list(self._jobs.values()):
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.replicas.shutdown()
-        try:
-            ray.kill(self.service, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        if stop_cluster if stop_cluster is not None else self.owns_cluster:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                ray.kill(self.controller, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class AutoscalerProxy:
+    """The controller's autoscaler seen from a front door (it runs in the controller)."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+    def step(self):
+        return ray.get(self.controller.autoscale_step.remote())
+
+    @property
+    def history(self) -> list:
+        return ray.get(self.controller.autoscale_history.remote())
+
+    def start(self) -> None:
+        """Already running in the controller."""
+
+    def stop(self) -> None:
+        """Stops with the controller."""

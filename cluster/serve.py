@@ -79,7 +79,7 @@ def build_backend(config: ServeConfig, model_dir: str):
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from cache_service.router import RouterConfig
-    from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler
+    from cluster.autoscaler import AutoscalerConfig
     from cluster.cluster_backend import BackendConfig, ClusterBackend
     from cluster.ray_cluster import connect_ray
 
@@ -90,12 +90,10 @@ def build_backend(config: ServeConfig, model_dir: str):
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,
                             transfer_cost_per_token=r.transfer_cost_per_token),
-        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank))
-    autoscaler = ReplicaAutoscaler(backend, AutoscalerConfig(
-        c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
-        c.warm_prefixes))
-    autoscaler.start()
-    return backend, autoscaler, how == "embedded"
+        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank,
+        autoscaler=AutoscalerConfig(c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s,
+                                    c.autoscale_interval_s, c.warm_prefixes)))
+    return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 
 def build_app(config: ServeConfig) -> Server:

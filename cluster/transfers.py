@@ -31,6 +31,15 @@ def better_holder(decision: RouteDecision, target: str):
     return None
 
 
+def plan_transfer(decision: RouteDecision, target: str) -> tuple[str, str, int] | None:
+    """(src, dst, tokens) to move before serving on `target`: the service's plan, or the pages of
+    a better holder when `target` was forced; None if nothing should move."""
+    if decision.transfer is not None and decision.transfer.dst_replica == target:
+        return decision.transfer.src_replica, target, decision.transfer.num_tokens
+    holder = better_holder(decision, target)
+    return (holder.replica_id, target, holder.hit_tokens) if holder is not None else None
+
+
 class Transfers:
     def __init__(self, replicas, alignment: int, timeout_s: float = 120.0, hot_prefixes: int = 32) -> None:
         """`replicas`: the `ReplicaSet` (actors by id)."""
@@ -44,15 +53,6 @@ class Transfers:
         self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
         self._channel_gen: dict[tuple[str, str], int] = {}  # (src, dst) -> channel generation
         self._hot: OrderedDict[tuple, int] = OrderedDict()  # (prompt prefix, salt) -> times served
-
-    def maybe_transfer(self, prompt: list[int], salt: str | None, decision: RouteDecision, target: str) -> None:
-        """Move the planned pages to `target`, or those of a better holder when `target` was forced."""
-        if decision.transfer is not None and decision.transfer.dst_replica == target:
-            self.transfer(prompt, salt, decision.transfer.src_replica, target, decision.transfer.num_tokens)
-            return
-        holder = better_holder(decision, target)
-        if holder is not None:
-            self.transfer(prompt, salt, holder.replica_id, target, holder.hit_tokens)
 
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
                  num_tokens: int) -> bool:
@@ -99,6 +99,21 @@ class Transfers:
         key = (tuple(prompt[: length + 1]), salt)
         with self._lock:
             self._hot[key] = self._hot.pop(key, 0) + 1
+            while len(self._hot) > self.hot_prefixes:
+                self._hot.popitem(last=False)
+
+    def hot_items(self) -> list:
+        from cluster.messages import HotPrefixMsg
+
+        with self._lock:
+            return [HotPrefixMsg(prompt, salt, n) for (prompt, salt), n in self._hot.items()]
+
+    def merge_hot(self, items) -> None:
+        """Fold another front door's hot prefixes (`HotPrefixMsg`s) into this list."""
+        with self._lock:
+            for item in items:
+                key = (tuple(item.prompt_token_ids), item.cache_salt)
+                self._hot[key] = max(self._hot.pop(key, 0), item.num_uses)
             while len(self._hot) > self.hot_prefixes:
                 self._hot.popitem(last=False)
 
