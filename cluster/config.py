@@ -31,6 +31,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ClusterConfig:
     backend: str = "ray"  # ray: replicas as Ray actors + cache service; inprocess: one engine, no Ray
+    name: str = "hybridserve"  # the cluster's controller is "<name>-controller": a restarted server reattaches
+    num_frontends: int = 1  # HTTP front doors (each routes; ports http.port .. http.port + n - 1)
     ray_address: str | None = None  # None: $RAY_ADDRESS if set (ray job submit), else an embedded local cluster
     num_cpus: int | None = None  # embedded cluster only (None: detect)
     node_ip_address: str = "127.0.0.1"
@@ -58,6 +60,8 @@ class ClusterConfig:
             raise ConfigError("cluster: need 1 <= min_replicas <= num_replicas <= max_replicas")
         if self.tp_size < 1:
             raise ConfigError("cluster.tp_size must be >= 1")
+        if self.num_frontends < 1:
+            raise ConfigError("cluster.num_frontends must be >= 1")
         if self.distributed_backend not in ("gloo", "nccl"):
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
 
