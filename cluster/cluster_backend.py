@@ -117,7 +117,9 @@ class ClusterBackend:
         self.service = ray.get_actor(self.service_name, namespace=self.namespace)
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
         self.transfers = Transfers(self.replicas, first.alignment, hot_prefixes=self.config.hot_prefixes)
-        self.autoscaler = AutoscalerProxy(self.controller) if self.config.autoscaler is not None else None
+        self.frontdoor_id = f"frontdoor-{secrets.token_hex(4)}"
+        self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
+                           if self.config.autoscaler is not None else None)
         self._stop = threading.Event()
         threading.Thread(target=self._follow_controller, name="membership", daemon=True).start()
 
@@ -127,8 +129,14 @@ class ClusterBackend:
             try:
                 self.replicas.refresh()
                 self.controller.note_hot.remote(self.transfers.hot_items())
+                self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished)
             except Exception:  # noqa: BLE001 - the controller is busy or gone: keep serving what we know
                 log.debug("membership refresh failed", exc_info=True)
+
+    def _report_unfinished(self) -> None:
+        """Before an autoscaling step: this front door's load and hot prefixes, as of now."""
+        ray.get([self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished),
+                 self.controller.note_hot.remote(self.transfers.hot_items())])
 
     # ---- replicas (the controller does it; these wait for it) ---------------------------------------
     def add_replicas(self, n: int) -> list[str]:
@@ -210,6 +218,8 @@ class ClusterBackend:
     def place(self, job: Job, exclude: tuple[str, ...]):
         """(target, decision or None): route, reserve this front door's count there, move pages
         if planned. Raises `NoReplicaError`."""
+        if job.forced is not None and self.replicas.get(job.forced) is None:
+            self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
         with self._lock:
             inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items() if not rep.draining}
         target, decision = self.routing.route(job.msg, inflight, job.forced, exclude)
@@ -331,11 +341,16 @@ class ClusterBackend:
 class AutoscalerProxy:
     """The controller's autoscaler seen from a front door (it runs in the controller)."""
 
-    def __init__(self, controller) -> None:
+    def __init__(self, controller, before, on_change) -> None:
         self.controller = controller
+        self.before = before  # this front door's requests counted as of now
+        self.on_change = on_change  # this front door sees the result at once
 
     def step(self):
-        return ray.get(self.controller.autoscale_step.remote())
+        self.before()
+        event = ray.get(self.controller.autoscale_step.remote())
+        self.on_change()
+        return event
 
     @property
     def history(self) -> list:

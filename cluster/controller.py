@@ -46,7 +46,7 @@ class ClusterController:
                                    secrets.token_hex(16), replica_cls, on_purge=self._on_purge)
         self._version = 0
         self._lock = threading.RLock()
-        self._draining: set[str] = set()
+        self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
         self.replicas.add(config.num_replicas)
         first = next(iter(self.replicas.replicas.values())).info
         self.service = ray.remote(CacheService).options(
@@ -94,14 +94,21 @@ class ClusterController:
     def replica_ids(self) -> list[str]:
         return self.replicas.ids
 
+    def note_frontdoor(self, frontdoor_id: str, num_unfinished: int) -> None:
+        """A front door's accepted, unfinished requests (some not routed yet: replicas cannot count them)."""
+        self._frontdoors[frontdoor_id] = (time.monotonic(), num_unfinished)
+
     @property
     def num_unfinished(self) -> int:
-        """Requests in flight on all replicas, as the replicas report them (every front door's)."""
+        """Requests in flight: what the replicas report (every front door's work), or what the
+        front doors report if more (requests accepted but not yet on a replica)."""
+        horizon = time.monotonic() - 5.0
+        doors = sum(n for t, n in self._frontdoors.values() if t >= horizon)
         try:
             loads = ray.get(self.service.stats.remote(), timeout=5)["loads"]
-        except Exception:  # noqa: BLE001 - unknown while the service restarts: do not scale on it
-            return 0
-        return sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas)
+        except Exception:  # noqa: BLE001 - unknown while the service restarts
+            return doors
+        return max(doors, sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas))
 
     def add_replicas(self, n: int) -> list[str]:
         cap = self.config.autoscaler.max_replicas if self.config.autoscaler is not None else None

@@ -126,10 +126,10 @@ class Replica:
         from workers.engine_runner import StreamEnd
 
         self._check_health()
-        self._num_accepted += 1
         sent = 0
         try:
             stream = self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt, msg.request_id)
+            self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
             while True:
                 item = stream.get()
                 batch = []

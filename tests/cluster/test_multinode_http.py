@@ -140,7 +140,7 @@ def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
         list(s)
     new = event.replica_id
     warm, served_by = backend.generate(hot, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=new)
-    assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold
+    assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold, backend.counters
     time.sleep(0.6)
     scaler.step()  # starts the idle clock if needed
     time.sleep(0.6)
