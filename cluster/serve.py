@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ConfigError, ServeConfig, load_config
@@ -51,11 +51,16 @@ class Server:
     autoscaler: object | None = None
     embedded_ray: bool = False
     closed: bool = False
+    frontdoors: list = field(default_factory=list)  # extra front-door actors (cluster.num_frontends > 1)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        for door in self.frontdoors:
+            import ray
+
+            ray.kill(door)
         if self.autoscaler is not None:
             self.autoscaler.stop()
         self.backend.shutdown()
@@ -108,7 +113,14 @@ def build_app(config: ServeConfig) -> Server:
     except Exception:
         Server(None, backend, autoscaler, embedded).close()
         raise
-    return Server(app, backend, autoscaler, embedded)
+    server = Server(app, backend, autoscaler, embedded)
+    if config.cluster.backend == "ray" and config.cluster.num_frontends > 1:  # see cluster.frontdoors
+        from cluster.frontdoors import start_frontdoors
+
+        server.frontdoors = start_frontdoors(
+            config.cluster.num_frontends - 1, model_dir, config.engine, backend.config, config.http.host,
+            config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
