@@ -128,12 +128,14 @@ class EventPublisher:
         log.info("%s: resynced %d entries into the cache service", self.replica_id, sum(map(len, contents)))
 
     def _call(self, method: str, msg) -> IngestReplyMsg:
+        reply = self.call_service(method, msg)
+        self.epoch = reply.service_epoch
+        return reply
+
+    def call_service(self, method: str, msg) -> IngestReplyMsg:
+        """One call to the named cache-service actor (a seam: unit tests call a service in process)."""
         import ray
 
         if self._service is None:
             self._service = ray.get_actor(self.service_name, namespace=self.namespace)
-        reply = ray.get(getattr(self._service, method).remote(msg), timeout=PUSH_TIMEOUT_S)
-        if self.epoch is not None and reply.service_epoch != self.epoch and method == "ingest" and reply.accepted:
-            log.info("%s: a new cache-service instance accepted our batch", self.replica_id)
-        self.epoch = reply.service_epoch
-        return reply
+        return ray.get(getattr(self._service, method).remote(msg), timeout=PUSH_TIMEOUT_S)
