@@ -275,7 +275,7 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
 
 
 # ---- tiny requests ----------------------------------------------------------------------------------------
-def tiny_requests(model_dir: str, num_requests: int, concurrency: int) -> dict:
+def tiny_requests(model_dir: str, num_requests: int, concurrency: int, rounds: int = 3) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from cluster.cluster_backend import BackendConfig, ClusterBackend
@@ -301,16 +301,17 @@ def tiny_requests(model_dir: str, num_requests: int, concurrency: int) -> dict:
             return num_requests / (time.perf_counter() - t0)
 
     runner = EngineRunner(LLMEngine.from_checkpoint(model_dir, engine))
-    try:
-        local = run(runner)
+    backend = ClusterBackend(model_dir, engine, BackendConfig(num_replicas=1))
+    try:  # alternate, best of `rounds` each: these cores are shared, so a slow round is noise
+        local, remote = [], []
+        for _ in range(rounds):
+            local.append(run(runner))
+            remote.append(run(backend))
     finally:
         runner.shutdown()
-    backend = ClusterBackend(model_dir, engine, BackendConfig(num_replicas=1))
-    try:
-        remote = run(backend)
-    finally:
         backend.shutdown()
-    return {"inprocess_rps": round(local, 1), "ray_rps": round(remote, 1), "ratio": round(remote / local, 2)}
+    return {"inprocess_rps": round(max(local), 1), "ray_rps": round(max(remote), 1),
+            "ratio": round(max(remote) / max(local), 2), "rounds": rounds}
 
 
 # ---- all of it ----------------------------------------------------------------------------------------------
