@@ -2,8 +2,10 @@
 no fault-injection methods:
 
     FaultyReplica     a replica whose event publisher can lose ("drop") or reorder ("reorder")
-                      its next non-empty batch (`inject_event_fault(kind)`), and whose health
-                      checks can stop answering (`stall_health_checks()`)
+                      its next non-empty batch (`inject_event_fault(kind)`), whose next sent
+                      prefix can be corrupted (`inject_transfer_fault()`), which can evict its
+                      whole cache (`evict_cached()`) and whose health checks can stop answering
+                      (`stall_health_checks()`)
     kill_replica      kill a replica actor without telling anyone (the death is discovered)
     kill_cache_service  kill the cache service; Ray restarts it empty and replicas resync into it
 """
@@ -44,8 +46,33 @@ class FaultyPublisher(EventPublisher):
 
 
 class FaultyReplica(TransferReplica):
+    fault_fired_s: float | None = None  # time.time() when an injected fault took effect
+    _corrupt_next_send = False
+    _stalled = False
+
     def make_publisher(self, cls, service_name, namespace):
         return super().make_publisher(FaultyPublisher, service_name, namespace)
+
+    @ray.method(concurrency_group="control")
+    def inject_transfer_fault(self) -> None:
+        """Flip one byte of the next prefix this replica sends (after its checksum)."""
+        self._corrupt_next_send = True
+
+    def corrupt_this_send(self) -> bool:
+        corrupt, self._corrupt_next_send = self._corrupt_next_send, False
+        if corrupt:
+            self.fault_fired_s = time.time()
+        return corrupt
+
+    @ray.method(concurrency_group="control")
+    def evict_cached(self) -> int:
+        """Evict every cached page not in use right now (as memory pressure would). Returns how many."""
+        def evict(engine):
+            return sum(pool.evict(key) for pool in engine.cache.pools for key in list(pool.cached))
+
+        n = self.runner.call(evict)
+        self.fault_fired_s = time.time()
+        return n
 
     @ray.method(concurrency_group="control")
     def inject_event_fault(self, kind: str) -> None:
@@ -62,7 +89,7 @@ class FaultyReplica(TransferReplica):
 
     @ray.method(concurrency_group="control")
     def ping(self) -> str:
-        while getattr(self, "_stalled", False):
+        while self._stalled:
             time.sleep(0.1)
         return super().ping()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 
 import ray
@@ -72,7 +71,6 @@ class Replica:
         self.runner.on_step = self._after_step
         self.publisher.start()
         self._broken: str | None = None  # why this replica cannot serve any more
-        self.fault_fired_s: float | None = None  # time.time() when an injected fault took effect
 
     def make_publisher(self, cls, service_name, namespace):
         """The event publisher (a seam: test doubles return one that loses or reorders batches)."""
@@ -175,26 +173,9 @@ class Replica:
                 "epoch": self.publisher.epoch}
 
     @ray.method(concurrency_group="control")
-    def evict_cached(self) -> int:
-        """Evict every cached page not in use right now (as memory pressure would). Returns how many."""
-        def evict(engine):
-            n = 0
-            for pool in engine.cache.pools:
-                n += sum(pool.evict(key) for key in list(pool.cached))
-            return n
-
-        n = self.runner.call(evict)
-        self.fault_fired_s = time.time()
-        return n
-
-    @ray.method(concurrency_group="control")
     def tp_workers(self) -> list:
         """Handles of this replica's TPWorker actors (ranks 1..n-1), e.g. to kill one."""
         return list(getattr(self.runner.engine.model, "tp_workers", ()))
-
-    @ray.method(concurrency_group="control")
-    def fault_time(self) -> float | None:
-        return self.fault_fired_s
 
     # ---- facts --------------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -231,13 +212,6 @@ class TransferMixin:
     replicas meet on it."""
 
     _transfer_secret = ""
-    _corrupt_next_send = False
-
-    @ray.method(concurrency_group="control")
-    def inject_transfer_fault(self) -> None:
-        """Fault injection: flip one byte of the next prefix this replica sends (after its checksum)."""
-        self._corrupt_next_send = True
-
     @ray.method(concurrency_group="control")
     def set_transfer_secret(self, secret: str) -> None:
         self._transfer_secret = secret
@@ -298,10 +272,12 @@ class TransferMixin:
         hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
                                     model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
         channel = self._channel(f"{self.replica_id}->{peer_id}#{generation}", 0, None)
-        corrupt, self._corrupt_next_send = self._corrupt_next_send, False
-        if corrupt:
-            self.fault_fired_s = time.time()
-        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop, corrupt=corrupt)
+        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
+                           corrupt=self.corrupt_this_send())
+
+    def corrupt_this_send(self) -> bool:
+        """Whether to flip a byte of this send after its checksum (a seam for test doubles)."""
+        return False
 
     def _on_loop(self, fn):
         return self.runner.call(lambda _engine: fn())
