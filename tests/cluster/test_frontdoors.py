@@ -71,3 +71,10 @@ def test_killing_one_of_two_front_doors_mid_load_loses_none_of_the_others_reques
         ray.get(doomed)
     assert len(owner.replica_ids) == 2 and owner.counters["replica_deaths"] == 0
     ray.kill(b)
+
+
+def test_requests_on_an_idle_cluster_spread_over_both_replicas(cluster):
+    """Regression: ties broke by replica id, so an idle cluster sent everything to replica-0."""
+    owner, _ = cluster
+    served = [owner.generate(make_prompt(40, 700 + i), SamplingParams(max_tokens=1))[1] for i in range(12)]
+    assert set(served) == set(owner.replica_ids)
