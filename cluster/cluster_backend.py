@@ -39,7 +39,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
 from cluster.autoscaler import AutoscalerConfig
-from cluster.controller import ClusterController, controller_name
+from cluster.controller import AutoscalerProxy, ClusterController, controller_name
+from cluster.index_check import index_problems
 from cluster.membership import MembershipView
 from cluster.messages import TransferMsg
 from cluster.request_streams import Job, ReplicaFailedError, serve_request
@@ -292,33 +293,9 @@ class ClusterBackend:
         return ray.get(self.service.stats.remote(), timeout=SERVICE_TIMEOUT_S)
 
     def index_problems(self) -> list[str]:
-        """Where the cache service's index differs from the live replicas' caches (empty: consistent):
-        no stale or dead replica, and each live replica's entry counts and next event seq equal
-        its own cache's at one instant (events still in flight show as a difference until pushed)."""
-        problems = []
-        reps = {r: self.replicas.get(r) for r in self.replicas.ids}
-        refs = {r: rep.actor.cache_summary.remote() for r, rep in reps.items() if rep is not None}
-        taken = {}
-        for rid, ref in refs.items():
-            try:
-                taken[rid] = ray.get(ref, timeout=SERVICE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - dead, unhealthy, or slow: not consistent
-                problems.append(f"{rid}: unreachable ({type(exc).__name__})")
-        try:
-            stats = self.service_stats()["replicas"]
-        except (RayActorError, GetTimeoutError):
-            return problems + ["cache service unreachable"]
-        problems += [f"{r}: indexed but not a live replica" for r in stats if r not in reps]
-        for rid, (entries, next_seq) in taken.items():
-            s = stats.get(rid)
-            if s is None:
-                problems.append(f"{rid}: not in the index")
-            elif s["stale"]:
-                problems.append(f"{rid}: stale (waiting for a resync)")
-            elif s["next_seq"] != next_seq or s["entries"] != entries:
-                problems.append(f"{rid}: index has seq {s['next_seq']} entries {s['entries']}, "
-                                f"replica seq {next_seq} entries {entries}")
-        return problems
+        """Where the cache service's index differs from the live replicas' caches (empty: consistent);
+        see `cluster.index_check`."""
+        return index_problems(self.replicas, self.service)
 
     def shutdown(self, stop_cluster: bool | None = None) -> None:
         """Stop this front door (its requests are aborted); with `stop_cluster` (default: if this
@@ -336,28 +313,3 @@ class ClusterBackend:
                 ray.kill(self.controller, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-
-
-class AutoscalerProxy:
-    """The controller's autoscaler seen from a front door (it runs in the controller)."""
-
-    def __init__(self, controller, before, on_change) -> None:
-        self.controller = controller
-        self.before = before  # this front door's requests counted as of now
-        self.on_change = on_change  # this front door sees the result at once
-
-    def step(self):
-        self.before()
-        event = ray.get(self.controller.autoscale_step.remote())
-        self.on_change()
-        return event
-
-    @property
-    def history(self) -> list:
-        return ray.get(self.controller.autoscale_history.remote())
-
-    def start(self) -> None:
-        """Already running in the controller."""
-
-    def stop(self) -> None:
-        """Stops with the controller."""

@@ -183,3 +183,28 @@ class ClusterController:
             ray.kill(self.service, no_restart=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+class AutoscalerProxy:
+    """The controller's autoscaler seen from a front door (it runs in the controller)."""
+
+    def __init__(self, controller, before, on_change) -> None:
+        self.controller = controller
+        self.before = before  # this front door's requests counted as of now
+        self.on_change = on_change  # this front door sees the result at once
+
+    def step(self):
+        self.before()
+        event = ray.get(self.controller.autoscale_step.remote())
+        self.on_change()
+        return event
+
+    @property
+    def history(self) -> list:
+        return ray.get(self.controller.autoscale_history.remote())
+
+    def start(self) -> None:
+        """Already running in the controller."""
+
+    def stop(self) -> None:
+        """Stops with the controller."""
