@@ -105,3 +105,45 @@ def test_index_probes_do_not_grow_with_the_number_of_replicas():
         AllReplicaScorer(coord).score(hashes.hashes, 1000, holders, (1 << num_replicas) - 1)
         probes.append(CountingDict.probes)
     assert probes[0] == probes[1] <= 2 * len(hashes.hashes)
+
+
+def lookahead_brute_force(coord, num_tokens, ends_per_group):
+    """The spec of the lookahead drop, written out: a dropping group serves L iff it serves L and
+    the block of its own size starting at L is cached (ending at most at num_prompt_tokens)."""
+    from tests.cache_service.helpers import serves_raw
+
+    step, cap = coord.alignment, num_tokens - 1
+
+    def serves(g, spec, length):
+        if length == 0:
+            return True
+        ok = serves_raw(spec, length, ends_per_group[g])
+        if g in coord.dropping_groups:
+            end = length + spec.block_size
+            ok = ok and end <= num_tokens and end in ends_per_group[g]
+        return ok
+
+    return max(L for L in range(0, max(cap, 0) + 1, step)
+               if all(serves(g, spec, L) for g, spec in enumerate(coord.layout.groups)))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_lookahead_rule_matches_its_spec(seed):
+    """The `lookahead` drop rule against a brute force of the rule's text (the coordinator gets the
+    same rule from the cache core; the differential test above then covers both)."""
+    rng = random.Random(1000 + seed)
+    layout = random_layout(rng)
+    coord = HybridCoordinator(layout, EagleMode.DROP)
+    scorer = AllReplicaScorer(coord)
+    scorer.drop_rule = "lookahead"
+    h = layout.hash_block_size
+    for _ in range(6):
+        num_tokens = rng.randint(1, 700)
+        hashes = make_hashes(layout, num_tokens, seed=rng.randrange(3))
+        replicas = [random_contents(rng, layout, hashes, num_tokens) for _ in range(rng.randint(1, 6))]
+        scores = scorer.score(hashes.hashes, num_tokens, holders_of(replicas, len(layout.groups)),
+                              (1 << len(replicas)) - 1)
+        for bit, contents in enumerate(replicas):
+            ends = [{e for e in range(h, len(hashes.hashes) * h + 1, h) if hashes.prefix_hash(e) in keys}
+                    for keys in contents]
+            assert scores.hit_tokens.get(bit, 0) == lookahead_brute_force(coord, num_tokens, ends)
