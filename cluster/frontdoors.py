@@ -22,22 +22,25 @@ class FrontDoor:
     """The actor body: a front door attached to cluster `cluster_name`."""
 
     def __init__(self, model_dir: str, engine_config, backend_config, host: str | None = None, port: int = 0,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20) -> None:
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, model_name: str | None = None,
+                 chat_template: str | None = None) -> None:
         from cluster.cluster_backend import ClusterBackend
 
         self.backend = ClusterBackend(model_dir, engine_config, backend_config)
         self.url: str | None = None
         if host is not None:
-            self._serve_http(model_dir, host, port, api_key, max_body_bytes)
+            self._serve_http(model_dir, host, port, api_key, max_body_bytes, model_name, chat_template)
 
-    def _serve_http(self, model_dir: str, host: str, port: int, api_key, max_body_bytes: int) -> None:
+    def _serve_http(self, model_dir: str, host: str, port: int, api_key, max_body_bytes: int, model_name,
+                    chat_template) -> None:
         import uvicorn
 
         from cluster.frontend import create_app
-        from cluster.tokenizer import load_tokenizer
+        from cluster.text_model import load_text_model
 
-        app = create_app(self.backend, Path(model_dir).name, api_key=api_key, tokenizer=load_tokenizer(model_dir),
-                         max_body_bytes=max_body_bytes)
+        app = create_app(self.backend, model_name or Path(model_dir).name, api_key=api_key,
+                         max_body_bytes=max_body_bytes, text=load_text_model(model_dir, chat_template),
+                         model_root=model_dir)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         threading.Thread(target=self._server.run, name="uvicorn", daemon=True).start()
         self.url = f"http://{host}:{port}"
