@@ -106,12 +106,12 @@ class AllReplicaScorer:
         return masks
 
     def _dropped(self, spec, holders, hashes, masks: list[int], num_prompt_tokens: int, everyone: int) -> list[int]:
-        """EAGLE drop. "alignment": serves L iff the group serves L + A (within the cap).
-        "lookahead": serves L iff it serves L and the block of its own size starting at L is
-        cached (that block may end at num_prompt_tokens)."""
+        """EAGLE drop. "lookahead": serves L iff it serves L and the block of its own size
+        starting at L is cached (that block may end at num_prompt_tokens). "alignment" (older
+        engines): serves L iff the group serves L + A within the aligned cap, and L itself."""
         n = len(masks) - 1
         if self.drop_rule == "alignment":
-            return [everyone] + [masks[i + 1] for i in range(1, n)] + ([0] if n else [])
+            return [everyone] + [masks[i + 1] & masks[i] for i in range(1, n)] + ([0] if n else [])
         A, h, b = self.alignment, self.hash_block_size, spec.block_size
         limit = min(num_prompt_tokens, len(hashes) * h)
         out = [everyone] + [0] * n

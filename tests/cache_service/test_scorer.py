@@ -47,13 +47,14 @@ def holders_of(replicas, num_groups):
     return holders
 
 
+@pytest.mark.parametrize("rule", ["lookahead", "alignment"])
 @pytest.mark.parametrize("seed", range(40))
-def test_one_pass_scores_equal_the_coordinator_per_replica(seed):
+def test_one_pass_scores_equal_the_coordinator_per_replica(seed, rule):
     rng = random.Random(seed)
     layout = random_layout(rng)
     attention = list(layout.attention_group_ids)
     draft = rng.sample(attention, rng.randint(0, len(attention))) if rng.random() < 0.5 else []
-    coord = HybridCoordinator(layout, rng.choice(list(EagleMode)), draft)
+    coord = HybridCoordinator(layout, rng.choice(list(EagleMode)), draft, drop_rule=rule)
     scorer = AllReplicaScorer(coord)
     for trial in range(6):
         num_tokens = rng.randint(1, 700)
