@@ -132,6 +132,10 @@ def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
     backend, scaler = server.backend, server.autoscaler
     hot = make_prompt(700, 77)
     cold = _stream(url, hot)[0]
+    # make it the hottest prefix of the module (earlier tests sent theirs at most 3 times): warming
+    # copies the hottest `warm_prefixes`, and a prompt seen once ties with the 6 streams below
+    for _ in range(3):
+        assert _stream(url, hot)[0] == cold
     streams = [backend.submit(make_prompt(400, 80 + i), SamplingParams(max_tokens=32, ignore_eos=True))
                for i in range(6)]
     event = scaler.step()  # 6 in flight on 2 replicas > 2.0 per replica
