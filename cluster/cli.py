@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cluster.serve", "serve the OpenAI-compatible API from a config (single replica for now)"),
     "generate": ("workers.generate", "run prompts through one engine (cold, then warm with --repeat 2)"),
     "train-tiny": ("workers.train.train_tiny", "train the tiny hybrid checkpoint shipped in configs/models"),
+    "simulate": ("cache_service.trace_sim.cli", "replay a Mooncake trace through R simulated replicas"),
     "loadtest": ("cluster.loadtest", "drive a server with seeded workloads; TTFT cold vs warm, hit rates, --compare"),
 }
 
