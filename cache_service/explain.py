@@ -12,6 +12,7 @@ import json
 import sys
 
 from cache_service.coordinator import EagleMode
+from cache_service.hit_finders import DropRule
 from cache_service.retention import make_retention
 from cache_service.simulate import Scenario, simulate
 from cache_service.specs import CacheLayout, SpecError, parse_group_spec
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle", default="off", help="EAGLE/MTP lookup mode: off | drop | lossless (default off)")
     p.add_argument("--draft-groups", default=None, metavar="I,J",
                    help="indices of groups annotated as draft groups (omitted: none annotated)")
+    p.add_argument("--drop-rule", default="lookahead",
+                   help="how a dropping group proves the successor token: lookahead (default: the block starting "
+                        "at L is cached, as current vLLM) | alignment (older engines: it must serve L + A)")
     p.add_argument("--retention", default="latest", help="latest | dense | N (a multiple of the alignment)")
     p.add_argument("--prompt-len", required=True, help="cold prompt length in tokens")
     p.add_argument("--resend-len", default=None, help="resend length (default: = prompt len; larger extends it)")
@@ -80,9 +84,14 @@ def parse_scenario(argv: list[str]) -> tuple[Scenario, bool]:
         raise UsageError(f"--eagle {eagle.value} needs --num-spec-tokens > 0 (speculation off means --eagle off)")
     if eagle is EagleMode.OFF and k > 0:
         raise UsageError("--num-spec-tokens > 0 needs --eagle drop or lossless")
+    try:
+        drop_rule = DropRule(args.drop_rule.strip().lower())
+    except ValueError:
+        raise UsageError(f"--drop-rule must be lookahead or alignment, got {args.drop_rule!r}") from None
     make_retention(args.retention, layout.alignment)  # validate early
     scenario = Scenario(
         groups=groups, prompt_len=prompt_len, resend_len=resend_len, eagle=eagle, draft_groups=draft,
+        drop_rule=drop_rule,
         retention=args.retention, num_spec_tokens=k, eagle_aware_retention=not args.no_eagle_aware_retention,
         cache_salt=args.cache_salt,
     )
@@ -101,6 +110,7 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
         "num_spec_tokens": scenario.num_spec_tokens,
         "annotated_groups": sorted(coord.annotated_groups),
         "dropping_groups": sorted(coord.dropping_groups),
+        "drop_rule": coord.drop_rule.value,
         "retention": scenario.retention,
         "eagle_aware_retention": scenario.eagle_aware_retention,
         "prompt_len": scenario.prompt_len,
@@ -112,6 +122,12 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
     }
     if verbose:
         out["explanation"] = resend.explanation
+        hit = resend.hit.hit_tokens
+        if coord.any_group_drops and coord.drop_rule is DropRule.LOOKAHEAD and hit:
+            # the block each dropping group needed cached to prove the successor token at the hit
+            out["lookahead_blocks"] = {
+                str(g): [hit, hit + layout.groups[g].block_size] for g in sorted(coord.dropping_groups)
+            }
     return out
 
 

@@ -5,19 +5,28 @@ multiple of the alignment A, such that this group can serve a hit of L tokens (L
 can). The coordinator composes the answers into a fixed point. Finders are built per lookup
 (`start`), so each memoises the cache probes of one request and never repeats them.
 
-EAGLE `drop` is a wrapper, not a mode flag inside each finder: a dropping group serves L iff
-its own lookup serves L + A within the cap, i.e. it loses exactly one alignment unit below its
-own match. The drop is applied once per candidate length, which is what keeps the fixed point
-from spiralling to zero:
+EAGLE `drop` is a wrapper, not a mode flag inside each finder. The draft layer's KV at L - 1
+was computed from the successor token at L, which the hash of the prefix [0, L) does not cover,
+so a dropping group needs proof that token L is the same. Two rules (`DropRule`):
 
-    candidate L ----> dropping group asks its inner finder for <= min(L + A, cap)
-                      inner answers r (a multiple of A)  ---> serves r - A
+    lookahead (default)   serves L iff the inner group serves L AND the block of the group's own
+                          size that starts at L is cached (it proves the successor token; it may
+                          end at the prompt's last token, the cap N - 1 bounds L only)
+
+        tokens   [ ... L-bs ... L-1 ][ L ... L+bs-1 ][ ...
+                   served block      lookahead block: cached under the chained hash => token L equal
+
+    alignment (older)     serves L iff the inner group serves L + A within the aligned cap: one
+                          alignment unit lost below its own match, as the seed fix did
+
+Either drop is applied once per candidate length, which keeps the fixed point from spiralling.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from enum import Enum
 
 from cache_service.block_hash import BlockHash
 from cache_service.lookup import CacheLookup
@@ -47,6 +56,11 @@ class LookupContext:
     def floor(self, num_tokens: int) -> int:
         return num_tokens // self.alignment * self.alignment
 
+    @property
+    def num_hashed_tokens(self) -> int:
+        """Tokens covered by full hash blocks: the end of the last block a lookup can probe."""
+        return len(self.hashes) * self.hash_block_size
+
     def prefix_hash(self, num_tokens: int) -> BlockHash:
         return self.hashes[num_tokens // self.hash_block_size - 1]
 
@@ -70,6 +84,12 @@ class GroupProbe(ABC):
     def _cached(self, num_tokens: int) -> bool:
         return self.ctx.lookup.is_cached(self.group_id, self.ctx.prefix_hash(num_tokens))
 
+    def block_cached_from(self, start: int) -> bool:
+        """The block of this group's size that starts at `start` is cached (and lies inside the
+        prompt's full hash blocks): the EAGLE lookahead proof of the successor token."""
+        end = start + self.spec.block_size
+        return end <= self.ctx.num_hashed_tokens and self._cached(end)
+
 
 class FullAttentionProbe(GroupProbe):
     """Serves L iff every block covering [0, L) is cached: a contiguous prefix match."""
@@ -79,8 +99,10 @@ class FullAttentionProbe(GroupProbe):
         self._match: int | None = None
 
     def match_tokens(self) -> int:
+        """Contiguous cached blocks over the prompt's full blocks (not capped at N - 1: the block
+        ending at the last prompt token can still be an EAGLE lookahead block)."""
         if self._match is None:
-            size, end = self.spec.block_size, self.ctx.cap
+            size, end = self.spec.block_size, self.ctx.num_hashed_tokens
             matched = 0
             while matched + size <= end and self._cached(matched + size):
                 matched += size
@@ -88,15 +110,20 @@ class FullAttentionProbe(GroupProbe):
         return self._match
 
     def longest_servable(self, limit: int) -> int:
-        return self.ctx.floor(min(limit, self.match_tokens()))
+        return self.ctx.floor(min(limit, self.ctx.cap, self.match_tokens()))
+
+    def block_cached_from(self, start: int) -> bool:
+        return start + self.spec.block_size <= self.match_tokens() or super().block_cached_from(start)
 
     def why(self, hit: int) -> str:
         match = self.match_tokens()
         blocks = match // self.spec.block_size
-        stop = "request cap (num_prompt_tokens - 1)" if match + self.spec.block_size > self.ctx.cap else (
-            f"block {blocks} (tokens {match}..{match + self.spec.block_size}) not cached"
-        )
-        return f"{blocks} contiguous blocks cached ({match} tokens), stopped by {stop}; aligned to {hit}"
+        if match + self.spec.block_size > self.ctx.num_hashed_tokens:
+            stop = "the prompt's last full block"
+        else:
+            stop = f"block {blocks} (tokens {match}..{match + self.spec.block_size}) not cached"
+        return (f"{blocks} contiguous blocks cached ({match} tokens), stopped by {stop}; capped at "
+                f"{self.ctx.cap} (num_prompt_tokens - 1) and aligned to {hit}")
 
 
 class SlidingWindowProbe(GroupProbe):
@@ -166,21 +193,68 @@ class MambaProbe(GroupProbe):
         return f"no state snapshot at any aligned length <= the limit; snapshots held: [{shown}]{more}"
 
 
+class DropRule(str, Enum):
+    LOOKAHEAD = "lookahead"  # serves L iff it serves L and the block starting at L is cached
+    ALIGNMENT = "alignment"  # older engines: serves L iff it serves L + A (one unit lost)
+
+
 class DroppingProbe(GroupProbe):
-    """EAGLE `drop`: serves L iff the wrapped group serves L + A within the cap."""
+    """EAGLE `drop` around a group's own probe; `inner` answers without any drop."""
 
     def __init__(self, inner: GroupProbe) -> None:
         super().__init__(inner.group_id, inner.spec, inner.ctx)
         self.inner = inner
 
+
+class LookaheadDropProbe(DroppingProbe):
+    """Serves L iff the wrapped group serves L and its block [L, L + block_size) is cached."""
+
     def longest_servable(self, limit: int) -> int:
-        step = self.ctx.alignment
-        reach = self.inner.longest_servable(min(limit + step, self.ctx.floor(self.ctx.cap)))
-        return reach - step if reach >= step else 0
+        length = self.inner.longest_servable(limit)
+        while length and not self.inner.block_cached_from(length):
+            length = self.inner.longest_servable(length - self.ctx.alignment)
+        return length
+
+    def why(self, hit: int) -> str:
+        top = self.ctx.floor(self.ctx.cap)
+        own = self.inner.longest_servable(top)
+        size = self.spec.block_size
+        text = f"{self.inner.why(own)}; EAGLE drop (lookahead) needs block [L, L+{size}) cached"
+        if own > hit:
+            end = own + size
+            missing = (f"runs past the prompt's full blocks ({self.ctx.num_hashed_tokens} tokens)"
+                       if end > self.ctx.num_hashed_tokens else "is not cached")
+            text += f": at {own} the lookahead block [{own}, {end}) {missing}"
+        if hit:
+            text += f"; at {hit} lookahead block [{hit}, {hit + size}) cached -> {hit}"
+        else:
+            text += " -> 0"
+        return text
+
+
+class AlignmentDropProbe(DroppingProbe):
+    """The older rule: serves L iff the wrapped group serves L + A within the aligned cap (and,
+    for sliding windows, whose tails are not nested, L itself: a longer length alone proves
+    nothing about the window blocks before L)."""
+
+    def longest_servable(self, limit: int) -> int:
+        step, top = self.ctx.alignment, self.ctx.floor(self.ctx.cap)
+        length = min(self.ctx.floor(limit), top - step)
+        while length > 0:
+            reach = self.inner.longest_servable(length + step)
+            if reach < step:
+                return 0
+            if reach < length + step:
+                length = reach - step
+            elif self.inner.longest_servable(length) == length:
+                return length
+            else:
+                length -= step
+        return 0
 
     def why(self, hit: int) -> str:
         own = self.inner.longest_servable(self.ctx.floor(self.ctx.cap))
-        return f"{self.inner.why(own)}; EAGLE drop removes one alignment unit -> {hit}"
+        return f"{self.inner.why(own)}; EAGLE drop (alignment rule) removes one alignment unit -> {hit}"
 
 
 PROBE_BY_SPEC: dict[type[GroupSpec], type[GroupProbe]] = {
@@ -191,6 +265,14 @@ PROBE_BY_SPEC: dict[type[GroupSpec], type[GroupProbe]] = {
 }
 
 
-def make_probe(group_id: int, spec: GroupSpec, ctx: LookupContext, drops: bool) -> GroupProbe:
+DROP_PROBE_BY_RULE: dict[DropRule, type[DroppingProbe]] = {
+    DropRule.LOOKAHEAD: LookaheadDropProbe,
+    DropRule.ALIGNMENT: AlignmentDropProbe,
+}
+
+
+def make_probe(
+    group_id: int, spec: GroupSpec, ctx: LookupContext, drops: bool, rule: DropRule = DropRule.LOOKAHEAD
+) -> GroupProbe:
     probe = PROBE_BY_SPEC[type(spec)](group_id, spec, ctx)
-    return DroppingProbe(probe) if drops else probe
+    return DROP_PROBE_BY_RULE[rule](probe) if drops else probe

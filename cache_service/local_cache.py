@@ -14,6 +14,7 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.events import EventSink
+from cache_service.hit_finders import DropRule
 from cache_service.specs import MambaSpec, SlidingWindowSpec
 
 
@@ -32,11 +33,15 @@ class StoreResult(NamedTuple):
     num_skipped_blocks: tuple[int, ...]  # per group: not stored because the pool had no room
 
 
-def retained_block_ends(spec, num_computed_tokens: int, checkpoints: Sequence[int]) -> list[int]:
+def retained_block_ends(
+    spec, num_computed_tokens: int, checkpoints: Sequence[int], lookahead: bool = False
+) -> list[int]:
     """Token positions at which group `spec` keeps a cached block (the block's end position).
 
     full/draft: every full block; sliding window: only the blocks covering each checkpoint's
-    window tail; mamba: one state page per checkpoint."""
+    window tail, plus, for a group whose lookup drops by the lookahead rule (`lookahead`), the
+    block starting at each checkpoint (the proof of its successor token); mamba: one state page
+    per checkpoint."""
     size = spec.block_size
     if isinstance(spec, MambaSpec):
         return [c for c in checkpoints if c % size == 0]
@@ -45,6 +50,8 @@ def retained_block_ends(spec, num_computed_tokens: int, checkpoints: Sequence[in
         for c in checkpoints:
             first = max(0, c - (spec.window - 1)) // size
             ends.update((j + 1) * size for j in range(first, c // size))
+            if lookahead and c % size == 0 and c + size <= num_computed_tokens:
+                ends.add(c + size)
         return sorted(ends)
     return list(range(size, num_computed_tokens // size * size + 1, size))
 
@@ -72,9 +79,11 @@ class LocalPrefixCache:
     ) -> StoreResult:
         """Publish what a finished request leaves behind: blocks and snapshots per retention."""
         stored, skipped = [], []
-        for pool, spec in zip(self.pools, self.coordinator.layout.groups):
+        coord = self.coordinator
+        for g, (pool, spec) in enumerate(zip(self.pools, coord.layout.groups)):
             num_new = num_skip = 0
-            for end in retained_block_ends(spec, num_computed_tokens, checkpoints):
+            lookahead = g in coord.dropping_groups and coord.drop_rule is DropRule.LOOKAHEAD
+            for end in retained_block_ends(spec, num_computed_tokens, checkpoints, lookahead):
                 key = hashes.prefix_hash(end)
                 if key in pool.cached:
                     continue

@@ -7,7 +7,10 @@ Always kept, whatever the policy:
     junctions                       shared-prefix points where an attention match ran past
                                     the last usable snapshot (the next sibling hits there)
 and, when some group's lookup drops (EAGLE `drop`), the position one alignment unit below
-each of those reachable boundaries: `HybridCoordinator.reachable_hit_positions`.
+each boundary a later lookup cannot land on: under the lookahead rule only where a dropping
+group's lookahead block at the boundary cannot exist (the prompt, computed tokens or shared
+match ends inside it); under the older alignment rule below every boundary
+(`HybridCoordinator.reachable_hit_positions`).
 
 Policies add periodic snapshots: `latest` none, `interval k` every k tokens (k a positive
 multiple of A), `dense` every A tokens.
@@ -19,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cache_service.coordinator import HybridCoordinator
+from cache_service.coordinator import Boundary, HybridCoordinator
 from cache_service.specs import SpecError
 
 
@@ -92,12 +95,18 @@ class CheckpointPlanner:
         step = self.coordinator.alignment
         return (num_prompt_tokens - 1) // step * step
 
-    def boundaries(self, num_prompt_tokens: int, num_computed_tokens: int, junctions: Iterable[int] = ()) -> list[int]:
-        """The reachable boundaries: replay, final and junctions (aligned, > 0)."""
+    def boundaries(
+        self, num_prompt_tokens: int, num_computed_tokens: int, junctions: Iterable[int] = ()
+    ) -> list[Boundary]:
+        """The reachable boundaries: replay, final and junctions (aligned, > 0), each with the
+        extent a later lookup landing there shares (see `Boundary`)."""
         step = self.coordinator.alignment
-        marks = {self.replay_boundary(num_prompt_tokens), num_computed_tokens // step * step}
-        marks.update(j // step * step for j in junctions)
-        return sorted(m for m in marks if 0 < m <= num_computed_tokens)
+        marks = [
+            Boundary(self.replay_boundary(num_prompt_tokens), num_prompt_tokens),
+            Boundary(num_computed_tokens // step * step, num_computed_tokens),
+        ]
+        marks += [Boundary(j // step * step, j) for j in junctions]
+        return [m for m in marks if 0 < m.position <= num_computed_tokens]
 
     def checkpoints(
         self, num_prompt_tokens: int, num_computed_tokens: int, junctions: Iterable[int] = ()
@@ -105,7 +114,7 @@ class CheckpointPlanner:
         """All snapshot positions in (0, num_computed_tokens], ascending."""
         step = self.coordinator.alignment
         marks = self.boundaries(num_prompt_tokens, num_computed_tokens, junctions)
-        keep = set(marks)
+        keep = {m.position for m in marks}
         keep.update(self.policy.periodic_positions(num_computed_tokens, step))
         if self.eagle_aware:
             keep.update(self.coordinator.reachable_hit_positions(marks))

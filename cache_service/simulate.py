@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
+from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, GroupSpec
@@ -19,6 +20,7 @@ class Scenario:
     prompt_len: int
     resend_len: int | None = None  # default: an identical resend
     eagle: EagleMode = EagleMode.OFF
+    drop_rule: DropRule = DropRule.LOOKAHEAD
     draft_groups: frozenset[int] = frozenset()
     retention: str = "latest"
     num_spec_tokens: int = 0
@@ -61,7 +63,8 @@ def run_request(
 ) -> RequestTrace:
     """Look up, plan snapshots, then publish what the request leaves behind (prefill only:
     T = num_prompt_tokens). When the attention match outruns the reconciled hit, the match end
-    is a shared-prefix junction: snapshotting there lets the next sibling request hit."""
+    is a shared-prefix junction (`HybridCoordinator.junctions`): snapshotting there lets the next
+    sibling request hit."""
     coordinator = cache.coordinator
     hashes = RequestBlockHashes(coordinator.layout.hash_block_size, tokens, cache_salt=salt)
     probes = coordinator.probes(hashes.hashes, len(tokens), cache.lookup_view)
@@ -71,9 +74,7 @@ def run_request(
         for g, (probe, own) in enumerate(zip(probes, hit.per_group_hits)):
             lines.append(f"group {g} ({probe.spec.describe()}): {own} -- {probe.why(own)}")
         lines.append(f"reconciliation: candidates {' -> '.join(map(str, hit.candidates))}; hit {hit.hit_tokens}")
-    match = hit.attention_match_tokens
-    outruns = any(p > hit.hit_tokens for p in coordinator.reachable_hit_positions([match]))
-    junctions = (match,) if outruns else ()
+    junctions = coordinator.junctions(hit)
     checkpoints = planner.checkpoints(len(tokens), len(tokens), junctions)
     cache.store_prefix(hashes, len(tokens), checkpoints)
     return RequestTrace(len(tokens), hit, checkpoints, junctions, lines)
@@ -81,7 +82,7 @@ def run_request(
 
 def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
     layout = scenario.layout
-    coordinator = HybridCoordinator(layout, scenario.eagle, scenario.draft_groups)
+    coordinator = HybridCoordinator(layout, scenario.eagle, scenario.draft_groups, scenario.drop_rule)
     policy = make_retention(scenario.retention, layout.alignment)
     planner = CheckpointPlanner(coordinator, policy, scenario.eagle_aware_retention)
     resend_len = scenario.prompt_len if scenario.resend_len is None else scenario.resend_len

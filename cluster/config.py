@@ -74,15 +74,23 @@ class HttpConfig:
             raise ConfigError(f"http.port must be in 0..65535, got {self.port}")
 
 
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
 @dataclass(frozen=True)
 class ModelSection:
     path: str = "configs/models/tiny-trained"
-    dtype: str = "float32"
-    init_config: str | None = None  # write a random checkpoint from this YAML if `path` is missing
+    dtype: str = "float32"  # auto: the checkpoint's config.json dtype; float / half: float32 / float16
+    init_config: str | None = None  # with an empty `path`: serve a random checkpoint from this YAML
+    served_model_name: str | None = None  # the API's model id (None: the checkpoint dir's name)
+    chat_template: str | None = None  # a Jinja file or inline template (None: the checkpoint's)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("model.served_model_name must not be empty")
 
 
 @dataclass(frozen=True)
@@ -158,28 +166,42 @@ def _apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {override!r}: invalid value: {exc}") from None
+    try:
+        _set(data, key, value)
+    except ConfigError as exc:
+        raise ConfigError(f"override {override!r}: {exc}") from None
+
+
+def _set(data: dict, key: str, value) -> None:
     *parents, leaf = key.split(".")
     node = data
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {part} is not a mapping")
+            raise ConfigError(f"{key}: {part} is not a mapping")
     node[leaf] = value
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ServeConfig:
-    """Load and validate; `overrides` are `key.path=value` strings applied on top (e.g. `--set`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                settings: dict[str, object] | None = None) -> ServeConfig:
+    """Load and validate; `overrides` are `key.path=value` strings applied on top (e.g. `--set`),
+    then `settings` (key path -> typed value, e.g. from `vllm serve`-style flags). `path` None:
+    the built-in defaults."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
     for override in overrides:
         _apply_override(data, override)
+    for key, value in (settings or {}).items():
+        _set(data, key, value)
     return _build(ServeConfig, data, "")

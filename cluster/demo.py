@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cache_service.coordinator import EagleMode
 from cache_service.explain import explain
+from cache_service.hit_finders import DropRule
 from cache_service.simulate import Scenario
 from cache_service.specs import parse_group_spec
 
@@ -27,21 +28,22 @@ INTERVAL = 128  # retention of the main comparison: a Mamba snapshot every 128 t
 GLM = ["full:64", "mamba:2304", "mamba:2304", "mamba:2304"]
 NATIVE = ["full:64", "mamba:64", "mamba:64", "mamba:64"]
 
-ROWS = [
-    ("seed bug: vLLM before the fix", GLM, EagleMode.DROP, False),
-    ("vLLM after the fix (drop + unit-below retention)", GLM, EagleMode.DROP, True),
-    ("hybridserve lossless EAGLE, seed layout", GLM, EagleMode.LOSSLESS, True),
-    ("hybridserve lossless EAGLE, native 64-token layout", NATIVE, EagleMode.LOSSLESS, True),
+ROWS = [  # label, groups, EAGLE mode, eagle-aware retention, drop rule
+    ("seed bug: vLLM before the fix", GLM, EagleMode.DROP, False, "alignment"),
+    ("seed fix (alignment drop + unit-below retention)", GLM, EagleMode.DROP, True, "alignment"),
+    ("hybridserve lookahead drop, seed layout", GLM, EagleMode.DROP, True, "lookahead"),
+    ("hybridserve lossless EAGLE, seed layout", GLM, EagleMode.LOSSLESS, True, "lookahead"),
+    ("hybridserve lossless EAGLE, native 64-token layout", NATIVE, EagleMode.LOSSLESS, True, "lookahead"),
 ]
 
 
 def seed_table() -> None:
     print("Identical 8,901-token resend, MTP k=3, latest-only retention\n")
     print(f"{'configuration':<52} {'per-group hits':<28} {'hit':>6}")
-    for label, groups, eagle, aware in ROWS:
+    for label, groups, eagle, aware, rule in ROWS:
         scenario = Scenario(
             groups=tuple(parse_group_spec(g) for g in groups), prompt_len=8901, eagle=eagle,
-            num_spec_tokens=3, eagle_aware_retention=aware,
+            num_spec_tokens=3, eagle_aware_retention=aware, drop_rule=DropRule(rule),
         )
         report = explain(scenario)
         print(f"{label:<52} {str(report['per_group_hits']):<28} {report['hit_tokens']:>6}")

@@ -1,268 +1,256 @@
 """OpenAI-compatible HTTP front end (FastAPI): `/v1/completions`, `/v1/chat/completions` (SSE
-streaming or not), `/v1/models`, `/health`, `/metrics` (Prometheus).
+streaming or not), `/v1/models[/{id}]`, vLLM's `/tokenize`, `/detokenize`, `/version`,
+`/health`, `/metrics` (Prometheus).
 
 The backend is anything with `submit(prompt_token_ids, params, cache_salt) -> RequestStream`
 (raising `InvalidRequestError` for bad input, `ServerOverloadedError` when full) and
 `num_unfinished`: an `EngineRunner` for one engine, or the Ray cluster. Optional attributes,
-read with getattr: `max_model_len` (reject long prompts before submitting), `abort(request_id)`
-(called, fire-and-forget, when a client goes away), `attach_metrics(metrics)` (called once with
-the `Metrics` so the backend can `record_route` / `record_transfer`).
+read with getattr: `max_model_len` (prompt + max_tokens over it is a 400, as in vLLM),
+`abort(request_id)` (called, fire-and-forget, when a client goes away or a stop string ends a
+request early), `attach_metrics(metrics)` (called once with the `Metrics`).
 
 Bad input is always a 4xx JSON error in OpenAI's shape (`{"error": {"message", "type", "param",
-"code"}}`), never a 5xx: 400 invalid, 401 API key, 404 unknown model or route, 405, 413 body
-too large, 429 overloaded (with Retry-After). A backend failure is a 500 JSON error, or, once a
-stream has started, an SSE `error` event followed by `[DONE]`.
+"code"}}`), never a 5xx: 400 invalid or unsupported (naming the field), 401 API key, 404 unknown
+model or route, 405, 413 body too large, 429 overloaded (with Retry-After). A backend failure is
+a 500 JSON error, or, once a stream has started, an SSE `error` event followed by `[DONE]`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import math
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.chat import render_chat
+from cluster.chat import ChatTemplateError
+from cluster.completion_state import CompletionState, Increment
+from cluster.frontend_requests import RequestDriver
+from cluster.http_errors import HttpError, install_error_handlers
 from cluster.http_guard import HttpGuard
 from cluster.metrics import Metrics
+from cluster.openai_format import chat_logprobs, completion_logprobs, sampling_params
 from cluster.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
-    error_response,
+    TokenizeRequest,
+    error_docs,
 )
-from cluster.streaming import SseResponse, follow, last_item, sse_event, stream_error, usage
-from cluster.tokenizer import IncrementalDecoder, Tokenizer
-from workers.engine.errors import InvalidRequestError, ServerOverloadedError
-from workers.engine.request import RequestOutput
-from workers.engine.sampling import SamplingParams
-from workers.engine_runner import RequestStream, StreamEnd
+from cluster.text_model import GenerationDefaults, TextModel
+from cluster.tokenizer import ByteTokenizer, Tokenizer
+from workers.engine.errors import InvalidRequestError
 
-log = logging.getLogger(__name__)
-
-
-def visible(ids: tuple[int, ...], out: RequestOutput) -> list[int]:
-    """The ids whose text is shown: a request that finished on a stop token (or EOS) keeps that
-    token in `token_ids` but not in `text`, as OpenAI leaves stop sequences out."""
-    return list(ids[:-1] if out.finished and out.finish_reason == "stop" and ids else ids)
-ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+VERSION = "0.1.0"
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                    "/tokenize", "/detokenize", "/version"})
+__all__ = ["HttpError", "ROUTES", "create_app"]
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.response = error_response(status, message, kind, param, headers)
+def default_text_model(tokenizer: Tokenizer | None) -> TextModel:
+    from cluster.chat import DEFAULT_TEMPLATE, ChatTemplate
+
+    template = ChatTemplate(DEFAULT_TEMPLATE, origin="built-in") if isinstance(tokenizer, ByteTokenizer) else None
+    return TextModel(tokenizer, template, GenerationDefaults())
 
 
 def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: Tokenizer | None = None,
-               max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    """`tokenizer` (encode/decode) enables text prompts, chat, `stop` strings and `text` in
-    responses; without it prompts are token ids and `text` is empty."""
-    app = FastAPI(title="hybridserve", version="0.1.0")
+               max_body_bytes: int = 4 * 2**20, text: TextModel | None = None,
+               model_root: str | None = None) -> FastAPI:
+    """`text` (tokenizer, chat template, generation defaults; `load_text_model`) enables text
+    prompts, chat, `stop` strings and `text` in responses; a bare `tokenizer` is the same with
+    the built-in template for the byte tokenizer. Without either, prompts are token ids only."""
+    text = text or default_text_model(tokenizer)
+    tokenizer = text.tokenizer
+    app = FastAPI(title="hybridserve", version=VERSION)
     metrics = app.state.metrics = Metrics()
     metrics.num_unfinished.set_function(lambda: backend.num_unfinished)
     if hasattr(backend, "attach_metrics"):
         backend.attach_metrics(metrics)
     max_model_len: int | None = getattr(backend, "max_model_len", None)
+    created = int(time.time())
+    driver = RequestDriver(backend, metrics)
     app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, routes=ROUTES)
+    install_error_handlers(app)
 
-    @app.exception_handler(HttpError)
-    async def _http_error(_: Request, exc: HttpError) -> JSONResponse:
-        return exc.response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ())[1:]]
-        param = loc[0] if loc else None
-        if first.get("type") in ("json_invalid", "model_attributes_type") or not loc:
-            return error_response(400, "the body must be a JSON object sent as Content-Type: application/json "
-                                  f"({first.get('msg', 'invalid JSON')})")
-        if param == "prompt" and len(loc) > 1 and first.get("type") not in ("missing",):
-            empty = any(e.get("type") in ("string_too_short", "too_short") for e in exc.errors())
-            message = "the prompt is empty" if empty else "prompt must be a string or a list of token ids"
-            return error_response(400, message, param=param)
-        return error_response(400, f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = "the body is not valid UTF-8 JSON" if exc.status_code == 400 else str(exc.detail)
-        return error_response(exc.status_code, message, kind, headers=getattr(exc, "headers", None))
-
-    def check_model(body: SamplingFields) -> None:
+    def check(body) -> None:
         if body.model not in (None, model_name):
             raise HttpError(404, f"model {body.model!r} not found; this server has {model_name!r}",
                             "not_found_error", "model")
+        problem = body.unsupported() if hasattr(body, "unsupported") else None
+        if problem is not None:
+            raise HttpError(400, problem[1], param=problem[0])
 
     def need_tokenizer(what: str) -> Tokenizer:
         if tokenizer is None:
             raise HttpError(400, f"this model has no tokenizer: {what}", param="prompt")
         return tokenizer
 
-    def sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
-        stops = list(body.stop_token_ids)
-        for s in [body.stop] if isinstance(body.stop, str) else body.stop or []:
-            ids = need_tokenizer("use stop_token_ids instead of stop").encode(s)
-            if len(ids) != 1:
-                raise HttpError(400, f"stop {s!r} is {len(ids)} tokens; stop strings must be exactly one token "
-                                "(this server stops on tokens, not on text)", param="stop")
-            stops += ids
-        if max_model_len is not None and max_tokens > max_model_len:
-            raise HttpError(400, f"max_tokens {max_tokens} is over max_model_len {max_model_len}", param="max_tokens")
+    def render_chat(messages, add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        tok = need_tokenizer("chat needs text")
+        if text.chat_template is None:
+            raise HttpError(400, "this model has no chat template (tokenizer_config.json chat_template or "
+                            "chat_template.jinja); start the server with --chat-template", param="messages")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop_token_ids=tuple(stops),
-                                  ignore_eos=body.ignore_eos)
+            rendered = text.chat_template.render(messages, add_generation_prompt, **(kwargs or {}))
+        except ChatTemplateError as exc:
+            raise HttpError(400, str(exc), param="messages") from None
+        return tok.encode(rendered, add_special_tokens=False)
+
+    def params_for(body: SamplingFields, prompt: list[int], max_tokens: int | None, logprobs: int | None):
+        if body.stop_strings:
+            need_tokenizer("stop strings are matched on text: use stop_token_ids")
+        if max_tokens is None:
+            max_tokens = text.generation.max_new_tokens or (max_model_len - len(prompt) if max_model_len else 256)
+        if max_model_len is not None and len(prompt) + max_tokens > max_model_len:
+            raise HttpError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                            f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                            "completion.", param="max_tokens" if len(prompt) < max_model_len else "prompt")
+        try:
+            return sampling_params(body, max(1, max_tokens), logprobs, text.generation.sampling,
+                                   text.stop_token_ids)
         except InvalidRequestError as exc:
-            raise HttpError(400, str(exc)) from None
+            raise HttpError(400, str(exc), param=str(exc).split()[0]) from None
 
-    async def submit(prompt: list[int], params: SamplingParams, cache_salt: str | None) -> RequestStream:
-        if not prompt:
-            raise HttpError(400, "the prompt is empty", param="prompt")
-        if max_model_len is not None and len(prompt) >= max_model_len:
-            raise HttpError(400, f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len} "
-                            "(prompt + at least 1 output)", param="prompt")
-        try:  # in a thread: a backend's submit may wait for its engine step to end
-            return await asyncio.to_thread(backend.submit, prompt, params, cache_salt)
-        except InvalidRequestError as exc:
-            param = "prompt" if "prompt" in str(exc) or "token" in str(exc) else None
-            raise HttpError(400, str(exc), param=param) from None
-        except ServerOverloadedError as exc:
-            retry = max(1, math.ceil(exc.retry_after_s))
-            raise HttpError(429, f"server overloaded: {exc}", "rate_limit_error",
-                            headers={"Retry-After": str(retry)}) from None
-        except Exception as exc:
-            log.exception("backend submit failed")
-            raise HttpError(500, f"backend failed: {exc}", "server_error") from None
-
-    def abort(stream: RequestStream, status: str) -> None:
-        metrics.record_failure(status)
-        if hasattr(backend, "abort"):  # fire-and-forget: never block (or await in) a cancelled task
-            asyncio.get_running_loop().run_in_executor(None, backend.abort, stream.request_id)
-
-    async def final_output(stream: RequestStream, request: Request, started_s: float) -> RequestOutput:
-        """Waits for the finished output, aborting the request if the client goes away."""
-        task = asyncio.ensure_future(last_item(follow(stream, metrics, started_s)))
-        while not (await asyncio.wait({task}, timeout=0.5))[0]:
-            if await request.is_disconnected():
-                task.cancel()
-                abort(stream, "disconnect")
-                raise HttpError(499, "client disconnected")
-        item = task.result()
-        if isinstance(item, StreamEnd):
-            error = stream_error(item)
-            raise HttpError(error["code"], error["message"], error["type"])
-        return item
-
-    def streaming(stream: RequestStream, started_s: float, chunks) -> StreamingResponse:
-        """SSE over `chunks(item) -> list[dict]`; ends with `[DONE]`, after an error event if the
-        backend failed; aborts the request if the client goes away first."""
-
-        async def events():
-            done = False
-            try:
-                async for item in follow(stream, metrics, started_s):
-                    if isinstance(item, StreamEnd):
-                        done = True
-                        yield sse_event({"error": stream_error(item)})
-                        break
-                    done = item.finished
-                    for chunk in chunks(item):
-                        yield sse_event(chunk)
-                yield sse_event("[DONE]")
-            finally:
-                if not done:
-                    abort(stream, "disconnect")
-
-        return SseResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def new_state(body: SamplingFields) -> CompletionState:
+        return CompletionState(tokenizer, body.stop_strings, body.stop_token_ids or (),
+                               body.include_stop_str_in_output, body.skip_special_tokens)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "num_unfinished": backend.num_unfinished}
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "hybridserve",
+                "root": model_root or model_name, "parent": None, "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "hybridserve"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=error_docs(401, 404))
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise HttpError(404, f"model {model_id!r} not found; this server has {model_name!r}", "not_found_error",
+                            "model")
+        return model_card()
+
+    @app.post("/tokenize", responses=error_docs(400, 404, 413))
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise HttpError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        else:
+            ids = need_tokenizer("tokenize needs a tokenizer").encode(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=error_docs(400, 404, 413))
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check(body)
+        return {"prompt": need_tokenizer("detokenize needs a tokenizer").decode(body.tokens)}
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         started_s = time.perf_counter()
-        check_model(body)
+        check(body)
         if isinstance(body.prompt, str):
-            prompt = need_tokenizer("send `prompt` as a list of token ids").encode(body.prompt)
+            prompt = need_tokenizer("send `prompt` as a list of token ids").encode(body.prompt, body.add_special_tokens)
+            prompt_text = body.prompt
         elif body.prompt and not isinstance(body.prompt[0], int):
             raise HttpError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
         else:
             prompt = list(body.prompt)
-        stream = await submit(prompt, sampling(body, body.max_tokens), body.cache_salt)
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+            prompt_text = tokenizer.decode(prompt) if tokenizer else ""
+        stream = await driver.submit(prompt, params_for(body, prompt, body.max_tokens, body.logprobs), body.cache_salt)
+        state = new_state(body)
+        echo = prompt_text if body.echo else ""
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name}
+
+        def logprobs(token_ids, lps, offset: int):
+            return completion_logprobs(tokenizer, token_ids, lps, offset) if lps is not None else None
+
         if not body.stream:
-            out = await final_output(stream, request, started_s)
-            text = tokenizer.decode(visible(out.token_ids, out)) if tokenizer else ""
-            return {**head, "choices": [{"index": 0, "text": text, "token_ids": list(out.token_ids),
-                                         "finish_reason": out.finish_reason, "logprobs": None}],
-                    "usage": usage(out)}
-        decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+            await driver.run(stream, request, started_s, state)
+            choice = {"index": 0, "text": echo + state.text, "token_ids": state.token_ids,
+                      "logprobs": logprobs(state.token_ids, state.logprobs, len(echo)),
+                      "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
+            return {**head, "choices": [choice], "usage": state.usage()}
+        sent = [False]
 
-        def chunks(out: RequestOutput) -> list[dict]:
-            if not out.new_token_ids and not out.finished:
+        def chunks(inc: Increment) -> list[dict]:
+            if not inc.token_ids and not inc.finished and not inc.text:
                 return []  # a prefill chunk: nothing to say yet
-            text = decoder.feed(visible(out.new_token_ids, out), final=out.finished) if decoder else ""
-            chunk = {**head, "choices": [{"index": 0, "text": text, "token_ids": list(out.new_token_ids),
-                                          "finish_reason": out.finish_reason if out.finished else None}]}
-            return [{**chunk, "usage": usage(out)}] if out.finished else [chunk]
+            shown = inc.text
+            if not sent[0]:
+                sent[0], shown = True, echo + shown
+            choice = {"index": 0, "text": shown, "token_ids": list(inc.token_ids),
+                      "logprobs": logprobs(inc.token_ids, inc.logprobs, len(echo) + len(state.text) - len(inc.text)),
+                      "finish_reason": inc.finish_reason if inc.finished else None,
+                      "stop_reason": inc.stop_reason if inc.finished else None}
+            chunk = {**head, "choices": [choice]}
+            if inc.finished or (body.stream_options and body.stream_options.continuous_usage_stats):
+                chunk["usage"] = state.usage()
+            return [chunk]
 
-        return streaming(stream, started_s, chunks)
+        return driver.sse(stream, started_s, state, chunks)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         started_s = time.perf_counter()
-        check_model(body)
-        prompt = need_tokenizer("chat needs text").encode(render_chat(body.messages))
-        stream = await submit(prompt, sampling(body, body.num_max_tokens), body.cache_salt)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        head = {"id": rid, "created": created, "model": model_name}
+        check(body)
+        prompt = render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        stream = await driver.submit(prompt, params_for(body, prompt, body.num_max_tokens, num_top), body.cache_salt)
+        state = new_state(body)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
+
+        def logprobs(token_ids, lps):
+            return chat_logprobs(tokenizer, token_ids, lps) if lps is not None else None
+
         if not body.stream:
-            out = await final_output(stream, request, started_s)
-            message = {"role": "assistant", "content": tokenizer.decode(visible(out.token_ids, out))}
-            return {**head, "object": "chat.completion", "usage": usage(out),
-                    "choices": [{"index": 0, "message": message, "finish_reason": out.finish_reason,
-                                 "logprobs": None}]}
-        decoder = IncrementalDecoder(tokenizer)
+            await driver.run(stream, request, started_s, state)
+            message = {"role": "assistant", "content": state.text, "tool_calls": []}
+            return {**head, "object": "chat.completion", "usage": state.usage(),
+                    "choices": [{"index": 0, "message": message, "finish_reason": state.finish_reason,
+                                 "stop_reason": state.stop_reason,
+                                 "logprobs": logprobs(state.token_ids, state.logprobs)}]}
         head = {**head, "object": "chat.completion.chunk"}
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         started = [False]
 
-        def chunks(out: RequestOutput) -> list[dict]:
-            text = decoder.feed(visible(out.new_token_ids, out), final=out.finished)
-            result = []
+        def chunks(inc: Increment) -> list[dict]:
+            deltas = []
             if not started[0]:
                 started[0] = True
-                result.append({"role": "assistant", "content": ""})
-            if text:
-                result.append({"content": text})
-            events = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None}]}
-                      for d in result]
-            if out.finished:
-                events.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": out.finish_reason,
-                                                    "logprobs": None}]})
+                deltas.append(({"role": "assistant", "content": ""}, None))
+            if inc.text or (inc.token_ids and inc.logprobs is not None):
+                deltas.append(({"content": inc.text}, logprobs(inc.token_ids, inc.logprobs)))
+            events = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None, "logprobs": lp}]}
+                      for d, lp in deltas]
+            if inc.finished:
+                events.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": inc.finish_reason,
+                                                    "stop_reason": inc.stop_reason, "logprobs": None}]})
                 if body.include_usage:
-                    events.append({**head, "choices": [], "usage": usage(out)})
+                    events.append({**head, "choices": [], "usage": state.usage()})
+            if continuous:
+                events = [{**e, "usage": state.usage()} if e["choices"] else e for e in events]
             return events
 
-        return streaming(stream, started_s, chunks)
+        return driver.sse(stream, started_s, state, chunks)
 
     return app

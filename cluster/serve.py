@@ -1,5 +1,12 @@
-"""`hybridserve serve --config configs/local.yaml` (also `python -m cluster.serve`, which is what
+"""`hybridserve serve [MODEL] [vllm serve flags]` (also `python -m cluster.serve`, which is what
 `ray job submit --working-dir . -- python -m cluster.serve --config ...` runs on a cluster).
+
+Settings come from `--config` YAML (default `configs/local.yaml` when it exists, else the built-in
+defaults), then `--set key.path=value`, then the `vllm serve`-style flags, each overriding the one
+before: MODEL / `--model` (model.path; a missing dir is an error naming it, never a random
+checkpoint), `--host`, `--port`, `--api-key`, `--served-model-name`, `--tensor-parallel-size`,
+`--dtype`, `--max-model-len`, `--num-speculative-tokens`, `--[no-]enable-prefix-caching`,
+`--chat-template`. The port is checked before anything starts.
 
 With `cluster.backend: ray` (the default) it starts or joins Ray (an embedded local cluster bound
 to 127.0.0.1 unless `cluster.ray_address` or $RAY_ADDRESS names one), the cache-service actor,
@@ -11,7 +18,6 @@ Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -25,18 +31,23 @@ log = logging.getLogger("hybridserve.serve")
 
 
 def resolve_model_dir(config: ServeConfig) -> str:
-    """The checkpoint dir; writes a random one from `model.init_config` if the dir is missing."""
-    path = Path(config.model.path)
-    if (path / "config.json").is_file():
+    """The checkpoint dir. A set `model.path` must exist (a mistyped path is an error naming it, never
+    random weights); only an empty `model.path` writes a random checkpoint from `model.init_config`."""
+    if config.model.path:
+        path = Path(config.model.path)
+        if not path.is_dir():
+            raise ConfigError(f"model.path {str(path)!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path {str(path)!r} has no config.json")
         return str(path)
     if not config.model.init_config:
-        raise ConfigError(f"model.path {str(path)!r} has no config.json and no model.init_config is set")
+        raise ConfigError("model.path is empty and no model.init_config is set: nothing to serve")
     from workers.model.init_model import main as init_model
 
     out = Path(tempfile.gettempdir()) / "hybridserve-models" / Path(config.model.init_config).stem
     if not (out / "config.json").is_file():
-        log.warning("model %s missing: writing a random-weight checkpoint from %s to %s",
-                    path, config.model.init_config, out)
+        log.warning("model.path is empty: writing a random-weight checkpoint from %s to %s",
+                    config.model.init_config, out)
         if init_model(["--config", config.model.init_config, "--out", str(out)]) != 0:
             raise ConfigError(f"could not write a checkpoint from {config.model.init_config}")
     return str(out)
@@ -68,11 +79,17 @@ class Server:
 def build_backend(config: ServeConfig, model_dir: str):
     """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
     c = config.cluster
+    dtype = config.model.dtype
+    if dtype == "auto":  # the checkpoint's own config.json dtype (float32 when it names none)
+        from hybridserve.llm import resolve_dtype
+
+        dtype = str(resolve_dtype(Path(model_dir), "auto")).removeprefix("torch.")
+    engine_config = config.engine.replace(dtype=dtype)  # model.dtype: weights, activations, KV
     if c.backend == "inprocess":
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
 
-        return EngineRunner(LLMEngine.from_checkpoint(model_dir, config.engine), max_queued=c.max_inflight), None, False
+        return EngineRunner(LLMEngine.from_checkpoint(model_dir, engine_config), max_queued=c.max_inflight), None, False
     if c.node_ip_address.startswith("127.") and (c.ray_address or os.environ.get("RAY_ADDRESS", "127.")).startswith(
             ("127.", "localhost")):
         # loopback only: Ray reads this when first imported (below); without it, workers report
@@ -85,7 +102,7 @@ def build_backend(config: ServeConfig, model_dir: str):
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
     r = config.router
-    backend = ClusterBackend(model_dir, config.engine, BackendConfig(
+    backend = ClusterBackend(model_dir, engine_config, BackendConfig(
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,
@@ -99,14 +116,21 @@ def build_backend(config: ServeConfig, model_dir: str):
 
 
 def build_app(config: ServeConfig) -> Server:
+    """Raises `ConfigError` (a missing model, unreadable tokenizer files or chat template)
+    before any backend is started."""
     from cluster.frontend import create_app
-    from cluster.tokenizer import load_tokenizer
+    from cluster.text_model import load_text_model
 
     model_dir = resolve_model_dir(config)
+    try:
+        text = load_text_model(model_dir, config.model.chat_template)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     backend, autoscaler, embedded = build_backend(config, model_dir)
     try:
-        app = create_app(backend, Path(model_dir).name, api_key=config.http.api_key,
-                         tokenizer=load_tokenizer(model_dir), max_body_bytes=config.http.max_body_bytes)
+        app = create_app(backend, config.model.served_model_name or Path(model_dir).name,
+                         api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes, text=text,
+                         model_root=model_dir)
     except Exception:
         Server(None, backend, autoscaler, embedded).close()
         raise
@@ -114,25 +138,22 @@ def build_app(config: ServeConfig) -> Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybridserve serve", description=__doc__)
-    p.add_argument("--config", default="configs/local.yaml")
-    p.add_argument("--port", type=int, default=None, help="override http.port")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override one config value, e.g. --set router.policy=round_robin (repeatable)")
-    args = p.parse_args(argv)
+    from cluster.serve_args import check_port_free, parse_serve_args
+
+    args, settings = parse_serve_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, settings)
+        check_port_free(config.http.host, config.http.port)
         server = build_app(config)
     except ConfigError as exc:
         print(f"hybridserve serve: error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
-    port = args.port if args.port is not None else config.http.port
-    log.info("serving %s on http://%s:%d", config.model.path, config.http.host, port)
+    log.info("serving %s on http://%s:%d", config.model.path, config.http.host, config.http.port)
     try:
-        uvicorn.run(server.app, host=config.http.host, port=port, log_level="info")
+        uvicorn.run(server.app, host=config.http.host, port=config.http.port, log_level="info")
     finally:
         server.close()
     return 0

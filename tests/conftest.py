@@ -8,10 +8,18 @@ import random
 
 import pytest
 import torch
+from hypothesis import settings
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.model.init_model import main as init_model_main
+
+# Property tests (hypothesis, schemathesis) are derandomized in `make test` and CI: the same
+# examples every run, so a failure is reproducible and the suite cannot flake on a rare draw.
+# HYPOTHESIS_PROFILE=explore brings back random exploration (and the example database) locally.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

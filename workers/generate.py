@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             max_model_len=args.max_model_len, num_spec_tokens=args.num_spec_tokens, eagle_mode=args.eagle_mode,
             retention=args.retention, enable_prefix_caching=args.prefix_cache == "on", kernels=args.kernels,
+            dtype=args.dtype, device=args.device,
         )
         engine = LLMEngine.from_checkpoint(args.model, config)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -33,18 +33,27 @@ class GenerateMsg:
     ignore_eos: bool = False
     cache_salt: str | None = None
     request_id: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, prompt_token_ids, params, cache_salt: str | None = None, request_id: str | None = None):
         return cls(list(prompt_token_ids), params.max_tokens, params.temperature, params.top_p, params.top_k,
-                   params.seed, tuple(params.stop_token_ids), params.ignore_eos, cache_salt, request_id)
+                   params.seed, tuple(params.stop_token_ids), params.ignore_eos, cache_salt, request_id,
+                   params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                   params.min_tokens, params.logprobs)
 
     def sampling_params(self):
         from workers.engine.sampling import SamplingParams
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens, logprobs=self.logprobs)
 
 
 class ReplicaUnhealthyError(RuntimeError):

@@ -19,11 +19,10 @@ import time
 import torch
 
 from workers.model.config import HybridModelConfig
-from workers.model.kernels import select_kernels
 from workers.model.loader import checkpoint_files, load_model, model_fingerprint
 from workers.model.tensor_parallel import TPModel, serve_tp_commands
 from workers.model.tp_group import TPGroup, free_tcp_init_method
-from workers.model.tp_shard import attach_group, shard_model, validate_tp_size
+from workers.model.tp_shard import attach_group, validate_tp_size
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +40,10 @@ def check_tp_size(model_dir: str, tp_size: int) -> HybridModelConfig:
 
 def load_shard(model_dir: str, tp_size: int, rank: int, *, backend: str = "gloo",
                dtype: torch.dtype = torch.float32, kernels: str = "auto"):
-    """Rank `rank`'s shard (HybridForCausalLM built from the local config), not yet in a group."""
+    """Rank `rank`'s shard (HybridForCausalLM built from the local config), not yet in a group: the
+    loader streams only this rank's slices in (never the full model)."""
     device = _device(backend)
-    full = load_model(model_dir, dtype=dtype, device="cpu", kernels="torch")
-    return shard_model(full, tp_size, rank, kernels=select_kernels(kernels, device), device=device)
+    return load_model(model_dir, dtype=dtype, device=device, kernels=kernels, tp_size=tp_size, tp_rank=rank)
 
 
 class TPWorker:
@@ -79,8 +78,9 @@ def _join_rank0(model_dir: str, tp_size: int, init_method: str, backend: str, ti
 
 def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str = "gloo", events=None,
                      ray_actor_options: dict | None = None, *, init_method: str | None = None,
-                     dtype: torch.dtype = torch.float32, timeout_s: float = 600.0):
-    """An LLMEngine whose model spans tp_size ranks: this process is rank 0, ranks 1..n-1 are
+                     dtype: torch.dtype | None = None, timeout_s: float = 600.0):
+    """An LLMEngine whose model spans tp_size ranks (weights in `dtype`, default engine_config.dtype):
+    this process is rank 0, ranks 1..n-1 are
     `TPWorker` Ray actors started with `ray_actor_options` (default: {"num_gpus": 1} for nccl, Ray's
     actor defaults for gloo). They are owned by this process, so Ray ends them if it dies. With
     tp_size 1 no actor is started. Without `init_method` the group is on loopback and the actors are
@@ -92,6 +92,7 @@ def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str =
 
     check_tp_size(model_dir, tp_size)
     kernels = engine_config.kernels
+    dtype = dtype or engine_config.torch_dtype
     if ray_actor_options is None:
         ray_actor_options = {"num_gpus": 1} if backend == "nccl" else {}
     options = dict(ray_actor_options)

@@ -45,12 +45,20 @@ def serves_raw(spec: GroupSpec, length: int, ends: set[int]) -> bool:
     return all(j * size in ends for j in range(1, length // size + 1))
 
 
-def group_serves(spec: GroupSpec, length: int, ends: set[int], drops: bool, alignment: int, cap: int) -> bool:
+def group_serves(
+    spec: GroupSpec, length: int, ends: set[int], drops: bool, alignment: int, cap: int, rule: str = "lookahead"
+) -> bool:
+    """cap = num_prompt_tokens - 1. Lookahead: the block [L, L + block) must be cached and end
+    inside the prompt (<= cap + 1); alignment: the group must serve L + A within the aligned cap."""
     if length == 0:
         return True
-    if drops:
-        return length + alignment <= cap and serves_raw(spec, length + alignment, ends)
-    return serves_raw(spec, length, ends)
+    if not serves_raw(spec, length, ends):
+        return False
+    if not drops:
+        return True
+    if rule == "lookahead":
+        return length + spec.block_size <= cap + 1 and length + spec.block_size in ends
+    return length + alignment <= cap and serves_raw(spec, length + alignment, ends)
 
 
 def brute_force_hit(coord: HybridCoordinator, num_prompt_tokens: int, ends_per_group: Sequence[set[int]]) -> int:
@@ -60,7 +68,7 @@ def brute_force_hit(coord: HybridCoordinator, num_prompt_tokens: int, ends_per_g
         length
         for length in range(0, max(cap, 0) + 1, step)
         if all(
-            group_serves(spec, length, ends_per_group[g], g in coord.dropping_groups, step, cap)
+            group_serves(spec, length, ends_per_group[g], g in coord.dropping_groups, step, cap, coord.drop_rule)
             for g, spec in enumerate(coord.layout.groups)
         )
     )
@@ -69,4 +77,5 @@ def brute_force_hit(coord: HybridCoordinator, num_prompt_tokens: int, ends_per_g
 def brute_force_group_best(coord: HybridCoordinator, g: int, num_prompt_tokens: int, ends: set[int]) -> int:
     step, cap = coord.alignment, num_prompt_tokens - 1
     spec, drops = coord.layout.groups[g], g in coord.dropping_groups
-    return max(L for L in range(0, max(cap, 0) + 1, step) if group_serves(spec, L, ends, drops, step, cap))
+    rule = coord.drop_rule
+    return max(L for L in range(0, max(cap, 0) + 1, step) if group_serves(spec, L, ends, drops, step, cap, rule))

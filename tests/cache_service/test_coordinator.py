@@ -1,6 +1,7 @@
 import pytest
 
 from cache_service import EagleMode, HybridCoordinator, SpecError
+from cache_service.coordinator import Boundary
 from tests.cache_service.helpers import make_hashes, make_layout, make_set_lookup
 
 
@@ -48,7 +49,11 @@ def test_attention_match_reports_the_junction():
     result = coord.find_longest_hit(hashes.hashes, 200, lookup)
     assert result.hit_tokens == 32
     assert result.attention_match_tokens == 128
-    assert coord.reachable_hit_positions([result.attention_match_tokens]) == (112,)
+    assert result.prefix_match_tokens == 128
+    # a sibling sharing the 128 matched tokens cannot prove the successor token at 128
+    # (its block [128, 144) is its own): it lands one unit below, at 112
+    assert coord.reachable_hit_positions([Boundary(128, 128)]) == (112,)
+    assert coord.junctions(result) == (128,)
 
 
 def test_dropping_groups_selection():
@@ -66,6 +71,16 @@ def test_dropping_groups_selection():
 
 def test_reachable_hit_positions():
     layout = make_layout("full:64", "mamba:2304")
-    assert HybridCoordinator(layout, EagleMode.DROP).reachable_hit_positions([6912, 8896]) == (4608,)
-    assert HybridCoordinator(layout, EagleMode.LOSSLESS).reachable_hit_positions([6912, 8896]) == (6912,)
-    assert HybridCoordinator(layout, EagleMode.DROP).reachable_hit_positions([2304, 100]) == ()
+    # replay boundary of 8,901 tokens: 6912; its lookahead block [6912, 6976) ends inside the prompt
+    marks = [Boundary(6912, 8901), Boundary(6912, 8901)]
+    assert HybridCoordinator(layout, EagleMode.DROP).reachable_hit_positions(marks) == (6912,)
+    assert HybridCoordinator(layout, EagleMode.DROP, drop_rule="alignment").reachable_hit_positions(marks) == (4608,)
+    assert HybridCoordinator(layout, EagleMode.LOSSLESS).reachable_hit_positions(marks) == (6912,)
+    # a prompt of 6,950 tokens ends inside the lookahead block [6912, 6976): one unit below
+    assert HybridCoordinator(layout, EagleMode.DROP).reachable_hit_positions([Boundary(6912, 6950)]) == (4608,)
+    assert HybridCoordinator(layout, EagleMode.DROP).reachable_hit_positions([Boundary(2304, 2304)]) == ()
+
+
+def test_bad_drop_rule_is_a_clear_error():
+    with pytest.raises(SpecError, match="drop rule"):
+        HybridCoordinator(make_layout("full:16"), EagleMode.DROP, drop_rule="sideways")

@@ -32,7 +32,8 @@ def coordinators(draw):
     groups = tuple(draw(st.lists(group_specs(), min_size=1, max_size=4)))
     eagle = draw(st.sampled_from(list(EagleMode)))
     draft = draw(st.frozensets(st.integers(0, len(groups) - 1), max_size=len(groups)))
-    return HybridCoordinator(CacheLayout(groups), eagle, draft)
+    rule = draw(st.sampled_from(["lookahead", "alignment"]))
+    return HybridCoordinator(CacheLayout(groups), eagle, draft, rule)
 
 
 def check_invariants(coord, num_prompt_tokens, ends, result):
@@ -40,7 +41,7 @@ def check_invariants(coord, num_prompt_tokens, ends, result):
     hit = result.hit_tokens
     assert hit % step == 0 and 0 <= hit <= max(cap, 0)
     for g, spec in enumerate(coord.layout.groups):
-        assert group_serves(spec, hit, ends[g], g in coord.dropping_groups, step, cap)
+        assert group_serves(spec, hit, ends[g], g in coord.dropping_groups, step, cap, coord.drop_rule)
     assert hit == brute_force_hit(coord, num_prompt_tokens, ends)
     assert hit <= min(result.per_group_hits)
 

@@ -15,10 +15,12 @@ def test_127_tokens_block_32_drop_hits_two_blocks():
 
 
 def test_127_tokens_block_32_drop_without_the_fix_hits_zero():
-    hit, per_group = resend_hits(
-        ["full:32", "mamba:32"], 127, eagle=EagleMode.DROP, num_spec_tokens=3, eagle_aware_retention=False
-    )
-    assert (hit, per_group) == (0, (64, 96))
+    for rule in ("lookahead", "alignment"):  # the 4th block [96, 128) is partial: no lookahead either
+        hit, per_group = resend_hits(
+            ["full:32", "mamba:32"], 127, eagle=EagleMode.DROP, num_spec_tokens=3, eagle_aware_retention=False,
+            drop_rule=rule,
+        )
+        assert (hit, per_group) == (0, (64, 96))
 
 
 @pytest.mark.parametrize(
@@ -46,7 +48,7 @@ def test_retention_keys_off_any_group_dropping_not_the_groups_own_flag():
     from tests.cache_service.helpers import make_scenario
 
     result = simulate(make_scenario(["full:32", "mamba:32"], 127, eagle=EagleMode.DROP, draft_groups=frozenset({0})))
-    assert result.cold.checkpoints == (64, 96)
+    assert result.cold.checkpoints == (64, 96)  # R = 96; [96, 128) runs past 127 tokens -> keep 64 too
 
 
 @pytest.mark.parametrize(
@@ -57,21 +59,48 @@ def test_retention_keys_off_any_group_dropping_not_the_groups_own_flag():
         (["full:16", "full:64", "mamba:32"], 300, 192),  # A = 64 > both 16 and 32
     ],
 )
-def test_differing_block_sizes_back_off_exactly_one_alignment_unit(groups, prompt_len, expected):
-    hit, _ = resend_hits(groups, prompt_len, eagle=EagleMode.DROP, num_spec_tokens=3)
+def test_alignment_rule_backs_off_exactly_one_alignment_unit(groups, prompt_len, expected):
+    hit, _ = resend_hits(groups, prompt_len, eagle=EagleMode.DROP, num_spec_tokens=3, drop_rule="alignment")
     lossless, _ = resend_hits(groups, prompt_len, eagle=EagleMode.LOSSLESS, num_spec_tokens=3)
     assert lossless - hit == 64  # exactly one alignment unit, never one block
     assert hit == expected
 
 
-def test_glm_like_layout_drop():
+@pytest.mark.parametrize(
+    "groups, prompt_len, expected",
+    [
+        # A = 96, R = 288; the lookahead block [288, 320) runs past 300 tokens -> 192, kept by retention
+        (["full:32", "mamba:96"], 300, 192),
+        # A = 64, R = 256 (cap 299 -> 256); lookahead [256, 272) / [256, 320) inside 300? 272 yes, 320 no
+        (["full:16", "mamba:64"], 300, 256),
+        (["full:64", "mamba:64"], 300, 192),
+        # A = 64; the full:64 group's lookahead [256, 320) runs past 300 -> 192
+        (["full:16", "full:64", "mamba:32"], 300, 192),
+        (["full:16", "mamba:64"], 340, 320),  # R = 320, lookahead [320, 336) ends inside 340 tokens
+    ],
+)
+def test_lookahead_rule(groups, prompt_len, expected):
+    hit, _ = resend_hits(groups, prompt_len, eagle=EagleMode.DROP, num_spec_tokens=3)
+    assert hit == expected
+
+
+def test_glm_like_layout_drop_lookahead():
+    # R = floor(8900 / 2304) * 2304 = 6912; the full:64 lookahead block [6912, 6976) is inside the prompt
     hit, per_group = resend_hits(GLM, 8901, eagle=EagleMode.DROP, num_spec_tokens=3)
+    assert per_group == (6912, 6912, 6912, 6912)
+    assert hit == 6912
+
+
+def test_glm_like_layout_drop_alignment_rule_is_the_seed_fix():
+    hit, per_group = resend_hits(GLM, 8901, eagle=EagleMode.DROP, num_spec_tokens=3, drop_rule="alignment")
     assert per_group == (4608, 6912, 6912, 6912)
     assert hit == 4608
 
 
 def test_glm_like_layout_drop_without_fix_is_the_seed_bug():
-    hit, per_group = resend_hits(GLM, 8901, eagle=EagleMode.DROP, num_spec_tokens=3, eagle_aware_retention=False)
+    hit, per_group = resend_hits(
+        GLM, 8901, eagle=EagleMode.DROP, num_spec_tokens=3, eagle_aware_retention=False, drop_rule="alignment"
+    )
     assert per_group == (4608, 6912, 6912, 6912)
     assert hit == 0
 
@@ -93,7 +122,11 @@ def test_extended_resend_hits_the_final_boundary():
     hit, _ = resend_hits(["full:64", "mamba:64"], 8901, resend_len=9500, eagle=EagleMode.LOSSLESS, num_spec_tokens=3)
     assert hit == 8896
     hit, _ = resend_hits(["full:64", "mamba:64"], 8901, resend_len=9500, eagle=EagleMode.DROP, num_spec_tokens=3)
-    assert hit == 8832  # one unit below, kept by the eagle-aware retention
+    assert hit == 8832  # F = 8896: its lookahead block [8896, 8960) was never computed -> one unit below
+    hit, _ = resend_hits(
+        ["full:64", "mamba:64"], 8901, resend_len=9500, eagle=EagleMode.DROP, num_spec_tokens=3, drop_rule="alignment"
+    )
+    assert hit == 8832
 
 
 def test_other_tenant_gets_no_hit():

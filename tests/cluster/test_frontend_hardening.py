@@ -50,7 +50,7 @@ BAD_COMPLETIONS = [
     ({"prompt": P, "max_tokens": "16"}, "max_tokens"), ({"prompt": P, "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": P, "temperature": -2}, "temperature"), ({"prompt": P, "temperature": "hot"}, "temperature"),
     ({"prompt": P, "top_p": 0}, "top_p"), ({"prompt": P, "seed": 2**70}, "seed"),
-    ({"prompt": P, "stream": "yes"}, "stream"), ({"prompt": P, "stop": "ab"}, "stop"),
+    ({"prompt": P, "stream": "yes"}, "stream"), ({"prompt": P, "stop": ["a"] * 17}, "stop"),
     ({"prompt": P, "stop_token_ids": [-3]}, "stop_token_ids"), ({"prompt": P, "n": 2}, "n"),
     ({"prompt": P, "unknown_field": 1}, "unknown_field"), ({}, "prompt"),
 ]
@@ -68,7 +68,7 @@ BAD_CHATS = [
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
     {"messages": [{"role": "user", "content": "a" * 300}]}, {"messages": [{"role": "user", "content": "hi"}],
                                                              "max_completion_tokens": 0},
-    {"messages": [{"role": "user", "content": "hi"}], "tools": []}, {},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, {},
 ]
 
 

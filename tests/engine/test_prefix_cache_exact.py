@@ -55,7 +55,9 @@ def test_second_chat_turn_hits_at_the_first_turns_final_boundary(tiny_model, k, 
     final = computed // 64 * 64
     second = first + list(turn1.token_ids) + make_prompt(30, 12)
     (turn2,) = engine.generate([second], SamplingParams(max_tokens=8))
-    expected = final - 64 if (k and eagle == "drop") else final
+    # drop (lookahead): the draft block [final, final + 16) proves the successor token when turn 1
+    # computed past it; otherwise the hit lands one alignment unit (64) below
+    expected = final - 64 if (k and eagle == "drop" and final + 16 > computed) else final
     assert final > 170 and turn2.num_cached_tokens == expected
     fresh = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
     (cold,) = fresh.generate([second], SamplingParams(max_tokens=8))
@@ -97,3 +99,31 @@ def test_admission_never_evicts_the_pages_it_restores_from(tiny_model, eagle):
     (warm,) = engine.generate([prompt], params)
     assert warm.num_cached_tokens > 0 and warm.token_ids == cold.token_ids
     engine.cache.check_integrity()
+
+
+# Engine layout with MTP: full:16 + mamba:64 + draft:16, so A = 64 and the draft group drops.
+# Identical resend of N tokens, latest retention: R = floor((N - 1) / 64) * 64.
+#   lookahead: hit R when the draft block [R, R + 16) lies inside the prompt (R + 16 <= N), else
+#              R - 64 (retention kept it because that block cannot exist)
+#   alignment: always R - 64
+DROP_HITS = [
+    # N,   lookahead, alignment
+    (100, 64, 0),  # R = 64, [64, 80) inside 100
+    (80, 64, 0),  # R = 64, [64, 80) ends exactly at the prompt's last token
+    (70, 0, 0),  # R = 64, [64, 80) runs past 70
+    (200, 128, 128),  # R = 192, [192, 208) runs past 200
+    (300, 256, 192),  # R = 256, [256, 272) inside 300
+]
+
+
+@pytest.mark.parametrize("rule", ["lookahead", "alignment"])
+def test_drop_hits_by_hand_and_warm_equals_cold(tiny_model, rule):
+    engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="drop", drop_rule=rule)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for n, lookahead, alignment in DROP_HITS:
+        prompt = make_prompt(n, seed=1000 + n)
+        (cold,) = engine.generate([prompt], params)
+        (warm,) = engine.generate([prompt], params)
+        assert warm.num_cached_tokens == (lookahead if rule == "lookahead" else alignment), f"n={n}"
+        assert warm.token_ids == cold.token_ids, f"n={n}"
+        engine.cache.check_integrity()

@@ -67,10 +67,16 @@ def test_validation_messages(raw, change, match):
 
 
 def test_unsupported_layer_error_fields(raw):
-    raw["hybrid_override_pattern"] = "M*E"
+    raw["hybrid_override_pattern"] = "M*X"
     with pytest.raises(UnsupportedLayerError) as info:
         HybridModelConfig.from_dict(raw)
-    assert (info.value.layer_idx, info.value.char) == (2, "E") and "MoE" in str(info.value)
+    assert (info.value.layer_idx, info.value.char) == (2, "X") and "'E' MoE" in str(info.value)
+
+
+def test_moe_layer_without_moe_fields_names_the_field(raw):
+    raw["hybrid_override_pattern"] = "M*E"
+    with pytest.raises(ConfigError, match="n_routed_experts must be a positive integer"):
+        HybridModelConfig.from_dict(raw)
 
 
 def test_hf_dict_round_trips_and_transformers_agrees(raw):

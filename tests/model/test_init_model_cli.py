@@ -56,8 +56,33 @@ def test_bad_yaml_exits_2_with_one_line(tmp_path, capsys, text, needle):
 
 def test_unsupported_layer_and_missing_file_exit_2(tmp_path, capsys):
     moe = tmp_path / "moe.yaml"
-    moe.write_text(TINY_YAML.read_text().replace('"M-M*-M-M*-"', '"M-E*"'))
+    moe.write_text(TINY_YAML.read_text().replace('"M-M*-M-M*-"', '"M-X*"'))
     assert main(["--config", str(moe), "--out", str(tmp_path / "o")]) == 2
     assert "layer 2" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_moe_and_mtp_yaml_writes_a_checkpoint_transformers_agrees_with(tmp_path):
+    """An init-model YAML with Nemotron 3-style MoE layers (and an MTP head '*E'): per-expert tensors as
+    NVIDIA ships them, loaded by us and by transformers with the same logits."""
+    import torch
+    import transformers
+
+    from tests.model.helpers import make_tokens, run_chunks
+    from workers.model.loader import load_model
+
+    yaml_text = TINY_YAML.read_text().replace('"M-M*-M-M*-"', '"ME*E"').replace('"*-"', '"*E"') + (
+        "n_routed_experts: 8\nnum_experts_per_tok: 2\nmoe_intermediate_size: 64\n"
+        "moe_shared_expert_intermediate_size: 96\nn_group: 2\ntopk_group: 1\nrouted_scaling_factor: 2.5\n")
+    (tmp_path / "moe.yaml").write_text(yaml_text)
+    assert main(["--config", str(tmp_path / "moe.yaml"), "--out", str(tmp_path / "o")]) == 0
+    ours = load_model(tmp_path / "o", kernels="torch")
+    assert ours.mtp is not None and ours.config.moe_layer_ids == (1, 3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o").eval()
+    ids = make_tokens(30)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = run_chunks(ours, ours.allocate_caches(4, 16, 1), ids, [30], torch.tensor([0, 1]), 0)
+    assert ref.std() > 0.5
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

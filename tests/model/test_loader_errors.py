@@ -40,11 +40,11 @@ def _edit_tensors(path, fn):
     save_file(tensors, str(path / "model.safetensors"))
 
 
-def test_moe_layer_is_unsupported_with_index_and_char(ckpt):
-    _edit_config(ckpt, hybrid_override_pattern="M-M*-MEM*-")
-    with pytest.raises(UnsupportedLayerError, match=r"layer 6 .*'E'") as info:
+def test_unknown_layer_kind_is_unsupported_with_index_and_char(ckpt):
+    _edit_config(ckpt, hybrid_override_pattern="M-M*-MXM*-")
+    with pytest.raises(UnsupportedLayerError, match=r"layer 6 .*'X'") as info:
         load_model(ckpt)
-    assert (info.value.layer_idx, info.value.char) == (6, "E")
+    assert (info.value.layer_idx, info.value.char) == (6, "X")
 
 
 def test_unknown_layer_char_and_block_type_list(ckpt):
@@ -53,7 +53,7 @@ def test_unknown_layer_char_and_block_type_list(ckpt):
         load_model(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.pop("hybrid_override_pattern")
-    cfg["layers_block_type"] = ["linear_attention", "moe"]
+    cfg["layers_block_type"] = ["linear_attention", "sliding_attention"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedLayerError, match="layer 1"):
         load_model(ckpt)

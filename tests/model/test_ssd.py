@@ -79,6 +79,16 @@ def test_conv_with_state_equals_full_conv(L, cut, K):
     assert (pool[:2] == 0).all()
 
 
+def assert_within_ulps(a: torch.Tensor, b: torch.Tensor, max_ulps: int) -> None:
+    """|a - b| <= max_ulps units in the last place of the larger magnitude, in a's dtype."""
+    assert a.dtype == b.dtype
+    a32, b32 = a.float(), b.float()
+    big = torch.maximum(a32.abs(), b32.abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    ulp = torch.finfo(a.dtype).eps * torch.pow(2.0, torch.floor(torch.log2(big)))
+    diff = (a32 - b32).abs()
+    assert bool((diff <= max_ulps * ulp).all()), f"max diff {diff.max().item()} > {max_ulps} ulp"
+
+
 @settings(max_examples=20, deadline=None)
 @given(b=st.integers(1, 3), L=st.integers(1, 5), seed=st.integers(0, 100),
        state_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
@@ -92,8 +102,12 @@ def test_state_steps_equal_token_by_token_updates(b, L, seed, state_dtype):
     pool, slots = h0.clone(), torch.arange(b)
     for j in range(L):
         y_j = selective_state_update_ref(pool, slots, x[:, j], dt[:, j], A, B[:, j], C[:, j], D)
-        torch.testing.assert_close(y[:, j], y_j, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(states[:, j].to(state_dtype), pool, atol=1e-5, rtol=1e-5)
+        if state_dtype is torch.float32:
+            torch.testing.assert_close(y[:, j], y_j, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(states[:, j], pool, atol=1e-5, rtol=1e-5)
+        else:  # bf16: the two paths round the same fp32 values, so they may differ by one ulp
+            assert_within_ulps(states[:, j].to(state_dtype), pool, max_ulps=1)
+            torch.testing.assert_close(y[:, j], y_j, atol=1e-2, rtol=1e-2)  # y reads the rounded state
 
 
 @settings(max_examples=20, deadline=None)

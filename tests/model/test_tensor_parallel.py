@@ -114,8 +114,9 @@ def test_tp_size_that_does_not_divide_the_model_is_refused(model, tiny_dir):
         validate_tp_size(model.config, 4)
     with pytest.raises(TensorParallelError, match=r"intermediate_size=769"):
         validate_tp_size(dataclasses.replace(model.config, intermediate_size=769), 2)
-    with pytest.raises(TensorParallelError, match=r"n_groups=1 \(Mamba groups"):
-        validate_tp_size(dataclasses.replace(model.config, n_groups=1), 2)
+    with pytest.raises(TensorParallelError, match=r"n_groups=3 \(Mamba groups"):
+        validate_tp_size(dataclasses.replace(model.config, n_groups=3, mamba_num_heads=24), 2)
+    validate_tp_size(dataclasses.replace(model.config, n_groups=1), 2)  # one group: replicated per rank
     with pytest.raises(TensorParallelError, match="positive integer"):
         validate_tp_size(model.config, 0)
     with pytest.raises(TensorParallelError, match="num_attention_heads=4"):

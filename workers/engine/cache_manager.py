@@ -51,7 +51,7 @@ class EngineCacheManager:
             groups.append(DraftAttentionSpec(config.kv_block_size))
         self.layout = CacheLayout(tuple(groups))
         eagle = config.eagle_mode if speculative else EagleMode.OFF
-        self.coordinator = HybridCoordinator(self.layout, eagle)
+        self.coordinator = HybridCoordinator(self.layout, eagle, drop_rule=config.drop_rule)
         self.planner = CheckpointPlanner(self.coordinator, make_retention(config.retention, self.layout.alignment))
         self.events = events if events is not None else EventSink(enabled=False)  # no consumer: keep nothing
         self.pools = [BlockPool(num_kv_blocks, FULL, self.events), BlockPool(num_state_slots, MAMBA, self.events)]
@@ -145,8 +145,7 @@ class EngineCacheManager:
         req.num_cached_tokens = req.num_computed_tokens = length
         req.num_draft_computed_tokens = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_published = [num_hit_blocks, 0, len(draft_hit)]
-        outruns = any(p > length for p in self.coordinator.reachable_hit_positions([hit.attention_match_tokens]))
-        req.junctions = (hit.attention_match_tokens,) if outruns else ()
+        req.junctions = self.coordinator.junctions(hit)
         req.checkpoints = self.planner.checkpoints(req.num_prompt_tokens, req.num_prompt_tokens, req.junctions)
         return True
 

@@ -19,10 +19,15 @@ class EngineConfig:
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
     num_spec_tokens: int = 3  # MTP draft tokens per step; 0 disables speculation
     eagle_mode: EagleMode = EagleMode.LOSSLESS  # drop | lossless (ignored without speculation)
+    # how a dropping draft group proves the successor token: lookahead (the block starting at the
+    # hit is cached) | alignment (older engines: one alignment unit lost per hit)
+    drop_rule: str = "lookahead"
     retention: str = "latest"  # latest | dense | interval in tokens
     enable_prefix_caching: bool = True
     kernels: str = "auto"  # auto | torch | cuda
     model_fingerprint: str = ""  # filled from the checkpoint when empty
+    dtype: str = "float32"  # weights, activations and KV (cluster: set from model.dtype); float32 | bfloat16 | float16
+    device: str = "cpu"  # where weights and every cache pool live: cpu | cuda | cuda:N
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_block_size", "mamba_block_size", "cache_memory_bytes",
@@ -40,8 +45,21 @@ class EngineConfig:
             raise EngineConfigError(f"eagle_mode must be drop or lossless, got {self.eagle_mode!r}") from None
         if self.eagle_mode is EagleMode.OFF and self.num_spec_tokens:
             raise EngineConfigError("eagle_mode off cannot be combined with speculation; use drop or lossless")
+        if self.drop_rule not in ("lookahead", "alignment"):
+            raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or (
+                self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise EngineConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.kernels not in ("auto", "torch", "cuda"):
             raise EngineConfigError(f"kernels must be auto, torch or cuda, got {self.kernels!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def replace(self, **changes) -> EngineConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

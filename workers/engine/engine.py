@@ -27,7 +27,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.drafter import Drafter, DraftInput, MTPDrafter
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from workers.engine.sampling import Sampler, SamplingParams
+from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 
@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         mconf = model.config
         self.vocab_size = mconf.vocab_size
-        self.eos_token_id = getattr(mconf, "eos_token_id", None)
+        self.eos_token_ids = mconf.eos_token_ids  # config.json's eos_token_id: an int or a list
         self.speculative = config.num_spec_tokens > 0 and (model.mtp is not None or drafter is not None)
         if config.num_spec_tokens > 0 and not self.speculative:
             log.info("checkpoint has no MTP head: speculative decoding disabled")
@@ -71,7 +71,7 @@ class LLMEngine:
         from workers.model.loader import load_model, model_fingerprint
 
         config = config or EngineConfig()
-        model = load_model(model_dir, kernels=config.kernels)
+        model = load_model(model_dir, dtype=config.torch_dtype, device=config.device, kernels=config.kernels)
         if not config.model_fingerprint:
             config = config.replace(model_fingerprint=model_fingerprint(model_dir))
         return cls(model, config, **kw)
@@ -97,7 +97,8 @@ class LLMEngine:
             self.cache.layout.hash_block_size, prompt, model_fingerprint=self.config.model_fingerprint,
             cache_salt=cache_salt,
         )
-        req = Request(request_id, prompt, params, hashes, cache_salt, sampler=Sampler(params))
+        eos = None if params.ignore_eos else self.eos_token_id
+        req = Request(request_id, prompt, params, hashes, cache_salt, sampler=Sampler(params, eos))
         if not self.cache.fits_at_all(req):
             raise InvalidRequestError(
                 f"prompt + max_tokens ({len(prompt)} + {params.max_tokens}) does not fit the KV cache; "
@@ -183,7 +184,7 @@ class LLMEngine:
         return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks))
 
     def _wants_drafts(self, req: Request) -> bool:
-        return self.speculative and req.params.greedy
+        return self.speculative and req.params.greedy and not req.params.shapes_logits
 
     def _after_prefill(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
         req, m = item.req, item.num_new_tokens
@@ -194,16 +195,17 @@ class LLMEngine:
             self.cache.snapshot(req, req.state_slot, end)
         tokens: list[int] = []
         if end == req.num_prompt_tokens:
-            token = req.sampler.sample(self.model.compute_logits(rows[-1:])[0])
+            logits = self.model.compute_logits(rows[-1:])  # [1, vocab]
+            token = req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)
             req.first_token_s = time.perf_counter()
-            tokens = self._emit(req, [token])
+            tokens = self._emit(req, [token], logits)
         if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         # draft rows: positions [draft_start, end) whose next token is known now
         draft_start = req.num_draft_computed_tokens
         hidden = rows
         if draft_start < start:  # lossless hit: the draft layer's position L-1 from the sidecar
-            hidden = torch.cat([self.cache.hit_sidecar(req)[None], rows])
+            hidden = torch.cat([self.cache.hit_sidecar(req)[None].to(rows), rows])  # sidecar: CPU fp32
         known = req.all_token_ids
         next_ids = known[draft_start + 1 : end + 1]
         if len(next_ids) < end - draft_start:  # final prompt token's successor not sampled (finished)
@@ -228,12 +230,12 @@ class LLMEngine:
                 self.caches.copy_state(req.verify_slots[accepted].block_id, req.state_slot.block_id)
         else:
             accepted = 0
-            proposal = [req.sampler.sample(logits[0])]
+            proposal = [req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)]
         req.draft_token_ids = []
         self.cache.record_hidden(req, n, rows[: accepted + 1])
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))
-        tokens = self._emit(req, proposal)
+        tokens = self._emit(req, proposal, logits)
         if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
@@ -257,16 +259,19 @@ class LLMEngine:
             self.caches.copy_state(src.block_id, slot.block_id)
             req.final_positions.append(pos)
 
-    def _emit(self, req: Request, tokens: list[int]) -> list[int]:
-        """Append sampled tokens, stopping at a stop token or the length limit."""
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[int]:
+        """Append sampled tokens, stopping at a stop token or the length limit; `logits[i]` is the
+        row `tokens[i]` was chosen from (read for the request's logprobs)."""
         out = []
         stops = set(req.params.stop_token_ids)
-        if self.eos_token_id is not None and not req.params.ignore_eos:
-            stops.add(self.eos_token_id)
+        if not req.params.ignore_eos:
+            stops.update(self.eos_token_ids)
         reason = None
-        for t in tokens:
+        for i, t in enumerate(tokens):
             out.append(t)
             req.output_token_ids.append(t)
+            if req.params.logprobs is not None:
+                req.output_logprobs.append(token_logprobs(logits[i], t, req.params.logprobs))
             if t in stops:
                 reason = FinishReason.STOP
                 break

@@ -8,7 +8,7 @@ from enum import Enum
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import CacheBlock
-from workers.engine.sampling import Sampler, SamplingParams
+from workers.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(str, Enum):
@@ -33,6 +33,7 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     # what the caches hold for this request
     num_computed_tokens: int = 0  # target KV + Mamba state valid for [0, n)
     num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
@@ -87,6 +88,7 @@ class RequestOutput:
     ttft_s: float | None
     num_draft_proposed: int
     num_draft_accepted: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # of `new_token_ids`, when the request asked
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -94,4 +96,6 @@ class RequestOutput:
             req.request_id, tuple(new_token_ids), tuple(req.output_token_ids), req.status is RequestStatus.FINISHED,
             req.finish_reason.value if req.finish_reason else None, req.num_prompt_tokens, req.num_cached_tokens,
             req.ttft_s, req.num_draft_proposed, req.num_draft_accepted,
+            tuple(req.output_logprobs[len(req.output_logprobs) - len(new_token_ids):])
+            if req.params.logprobs is not None else None,
         )

@@ -1,4 +1,6 @@
-"""GQA attention over a paged KV cache. NemotronH attention has no positional embedding (no RoPE).
+"""GQA attention over a paged KV cache. NemotronH and Granite-4.0-H attention has no positional
+embedding; Bamba (and Granite with position_embedding_type: rope) rotate the first `rotary_dim` dims of
+each query / key head (RoPE, rotate-half layout) before the key is written to the cache.
 
 Per layer the pool is k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim]. Position p of a
 sequence lives in block block_table[p // block_size] at offset p % block_size, i.e. flat slot
@@ -31,6 +33,7 @@ class PagedPlan:
     rows: tuple[slice, ...]  # rows of [T, ...] per chunk
     write_slots: torch.Tensor  # int64 [T]: flat slot of each new token
     read_slots: tuple[torch.Tensor, ...]  # per chunk int64 [context + new]: flat slots of positions 0..
+    positions: torch.Tensor  # int64 [T]: position of each new token in its sequence (RoPE)
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
@@ -40,19 +43,34 @@ class PagedPlan:
             table = chunk.block_table.to("cpu", torch.long)
             reads.append((table[pos // block_size] * block_size + pos % block_size).to(device))  # [S]
         writes = torch.cat([r[c.num_context_tokens :] for r, c in zip(reads, batch.chunks)])  # [T]
-        return cls(tuple(batch.row_slices()), writes, tuple(reads))
+        positions = torch.cat([torch.arange(c.num_context_tokens, c.num_total_tokens) for c in batch.chunks])
+        return cls(tuple(batch.row_slices()), writes, tuple(reads), positions.to(device))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """x [T, heads, head_dim]: rotate the first rotary_dim dims by position (cos/sin in x's dtype, as
+    transformers computes them); the rest pass through."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq  # [T, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, rotary_dim]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
 class PagedAttention(nn.Module):
-    """q/k/v/o projections without bias (as transformers' NemotronHAttention) + paged causal attention.
-    Shard-friendly: a TP rank would hold num_heads/tp query heads and num_kv_heads/tp KV heads."""
+    """q/k/v/o projections without bias (as transformers' NemotronH / Granite / Bamba attention) + paged
+    causal attention. Shard-friendly: a TP rank holds num_heads/tp query heads and num_kv_heads/tp KV heads."""
 
     def __init__(self, config: HybridModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.rope_theta, self.rotary_dim = config.rope_theta, config.rotary_dim
         self.kernels = kernels
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -68,6 +86,9 @@ class PagedAttention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, hd]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
+        if self.rope_theta is not None:
+            q = apply_rope(q, plan.positions, self.rotary_dim, self.rope_theta)
+            k = apply_rope(k, plan.positions, self.rotary_dim, self.rope_theta)
         k_cache, v_cache = kv
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]

@@ -1,19 +1,18 @@
-"""`HybridModelConfig`: the NemotronH config.json fields we run, validated, with derived sizes.
+"""`HybridModelConfig`: the config fields we run, validated, with derived sizes.
 
-Field names are the transformers `NemotronHConfig` names, so one config.json serves both. The layer
-pattern is kept as the `hybrid_override_pattern` string (`M` Mamba2, `*` attention, `-` MLP); a
-`layers_block_type` list is accepted too. Legacy aliases (`mamba_n_groups`, `mamba_d_conv`, ...) map to
-their current names the way transformers maps them.
+Field names are the transformers `NemotronHConfig` names. The layer pattern is kept as the
+`hybrid_override_pattern` string (`M` Mamba2, `*` attention, `-` MLP, `E` MoE). GraniteMoeHybrid and
+Bamba configs are mapped onto the same fields by `config_mapping.py` (the one place that reads each
+architecture's config.json): each of their decoder layers becomes two blocks, mixer then FFN.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ class LayerKind(str, enum.Enum):
     MAMBA = "M"
     ATTENTION = "*"
     MLP = "-"
+    MOE = "E"
 
 
 _BLOCK_TYPE_TO_CHAR = {
@@ -35,18 +35,8 @@ _BLOCK_TYPE_TO_CHAR = {
     "moe": "E",
 }
 _CHAR_TO_BLOCK_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-_LEGACY_ALIASES = {
-    "mamba_n_groups": "n_groups",
-    "mamba_d_conv": "conv_kernel",
-    "mamba_expand": "expand",
-    "mamba_dt_min": "time_step_min",
-    "mamba_dt_max": "time_step_max",
-    "mamba_dt_limit": "time_step_limit",
-    "mamba_dt_init_floor": "time_step_floor",
-    "mamba_conv_bias": "use_conv_bias",
-    "mamba_chunk_size": "chunk_size",
-}
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
+MODEL_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
 
 
 def parse_pattern(pattern: str, where: str = "hybrid_override_pattern") -> tuple[LayerKind, ...]:
@@ -58,17 +48,6 @@ def parse_pattern(pattern: str, where: str = "hybrid_override_pattern") -> tuple
         except ValueError:
             raise UnsupportedLayerError(i, char, where) from None
     return tuple(kinds)
-
-
-def _pattern_from_block_types(types: Any, where: str) -> str:
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ConfigError(f"{where} must be a list of strings, got {types!r}")
-    chars = []
-    for i, t in enumerate(types):
-        if t not in _BLOCK_TYPE_TO_CHAR:
-            raise UnsupportedLayerError(i, t, where)
-        chars.append(_BLOCK_TYPE_TO_CHAR[t])
-    return "".join(chars)
 
 
 @dataclass(frozen=True)
@@ -108,39 +87,43 @@ class HybridModelConfig:
     pad_token_id: int | None = 0
     num_nextn_predict_layers: int = 0
     mtp_hybrid_override_pattern: str = "*-"
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    model_type: str = "nemotron_h"
+    # MoE ('E' blocks): routed experts + one shared expert
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    moe_router: str = "sigmoid_group"  # NemotronH: sigmoid + group top-k; Granite: "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    # FFN and attention variants (Granite / Bamba)
+    mlp_gated: bool = False  # down(act(gate(x)) * up(x)) instead of down(act(up(x)))
+    attention_multiplier: float | None = None  # softmax scale; None: head_dim ** -0.5
+    rope_theta: float | None = None  # None: no positional embedding (NemotronH, Granite-4.0-H)
+    rotary_dim: int = 0  # leading head dims rotated (Bamba: head_dim / 2)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         parse_pattern(self.hybrid_override_pattern)
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern is empty: the model needs at least one layer")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "mamba_num_heads",
-            "mamba_head_dim",
-            "ssm_state_size",
-            "n_groups",
-            "conv_kernel",
-            "chunk_size",
-            "max_position_embeddings",
-        ):
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                     "conv_kernel", "chunk_size", "max_position_embeddings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.mamba_num_heads % self.n_groups:
-            raise ConfigError(
-                f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups ({self.n_groups})"
-            )
+            raise ConfigError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups "
+                              f"({self.n_groups})")
         if self.conv_kernel < 2:
             raise ConfigError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
         if self.mlp_hidden_act not in MLP_ACTIVATIONS:
@@ -150,9 +133,8 @@ class HybridModelConfig:
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
         if not 0 < self.time_step_min <= self.time_step_max:
-            raise ConfigError(
-                f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, {self.time_step_max}"
-            )
+            raise ConfigError(f"need 0 < time_step_min <= time_step_max, got {self.time_step_min}, "
+                              f"{self.time_step_max}")
         if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"mamba_ssm_cache_dtype {self.mamba_ssm_cache_dtype!r} is not a float dtype")
         if self.num_nextn_predict_layers not in (0, 1):
@@ -160,10 +142,42 @@ class HybridModelConfig:
         if self.num_nextn_predict_layers:
             kinds = parse_pattern(self.mtp_hybrid_override_pattern, "mtp_hybrid_override_pattern")
             if LayerKind.MAMBA in kinds or not kinds:
-                raise ConfigError(
-                    "mtp_hybrid_override_pattern may hold only '*' and '-' layers, got "
-                    f"{self.mtp_hybrid_override_pattern!r}"
-                )
+                raise ConfigError("mtp_hybrid_override_pattern may hold only '*', '-' and 'E' layers, got "
+                                  f"{self.mtp_hybrid_override_pattern!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        lo, hi = self.time_step_limit
+        if not 0 <= lo < hi:
+            raise ConfigError(f"time_step_limit must be (lo, hi) with 0 <= lo < hi, got {self.time_step_limit}")
+        self._validate_moe()
+        if self.rope_theta is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ConfigError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+
+    def _validate_moe(self) -> None:
+        if LayerKind.MOE not in set(self.layer_kinds) | set(self.mtp_layer_kinds):
+            return
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "moe_shared_expert_intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer for MoE ('E') layers, got {value!r}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) > n_routed_experts "
+                              f"({self.n_routed_experts})")
+        if self.moe_router not in ("sigmoid_group", "softmax_topk"):
+            raise ConfigError(f"moe_router must be sigmoid_group or softmax_topk, got {self.moe_router!r}")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ConfigError(f"n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts}) "
+                              f"and topk_group ({self.topk_group}) must be <= n_group")
+        if self.moe_router == "sigmoid_group" and self.n_routed_experts // self.n_group < 2:
+            raise ConfigError("n_routed_experts / n_group must be >= 2 (group score = sum of its top-2 experts)")
+        if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
+            raise ConfigError(f"topk_group ({self.topk_group}) groups hold fewer experts than "
+                              f"num_experts_per_tok ({self.num_experts_per_tok})")
+        if self.moe_latent_size is not None and self.moe_latent_size <= 0:
+            raise ConfigError(f"moe_latent_size must be a positive integer or null, got {self.moe_latent_size!r}")
+        if self.mlp_bias:
+            raise ConfigError("mlp_bias: true is not supported with MoE ('E') layers")
 
     # ---- derived sizes -----------------------------------------------------------------------
     @property
@@ -185,6 +199,25 @@ class HybridModelConfig:
     @property
     def mlp_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k is LayerKind.MLP)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """eos_token_id as a set (config.json may hold an int, a list or null)."""
+        eos = self.eos_token_id
+        return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k is LayerKind.MOE)
+
+    @property
+    def moe_input_size(self) -> int:
+        """Width the routed experts see: moe_latent_size (latent MoE) or hidden_size."""
+        return self.moe_latent_size or self.hidden_size
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
 
     @property
     def mtp_layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -214,58 +247,22 @@ class HybridModelConfig:
 
     @property
     def dt_limit(self) -> tuple[float, float]:
-        """Clamp applied to softplus(dt + dt_bias): transformers uses (time_step_min, inf)."""
-        return (self.time_step_min, math.inf)
+        """Clamp applied to softplus(dt + dt_bias): transformers' NemotronH uses (time_step_min, inf)
+        whatever time_step_limit says; Granite and Bamba use time_step_limit."""
+        if self.model_type == "nemotron_h":
+            return (self.time_step_min, math.inf)
+        return self.time_step_limit
 
     # ---- (de)serialisation ------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> HybridModelConfig:
-        """Parse a config.json / YAML mapping. Unknown fields are kept in `extra` (and written back)."""
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"model config must be a mapping, got {type(raw).__name__}")
-        data = dict(raw)
-        model_type = data.pop("model_type", "nemotron_h")
-        if model_type != "nemotron_h":
-            raise ConfigError(f"model_type must be 'nemotron_h', got {model_type!r}")
-        for old, new in _LEGACY_ALIASES.items():
-            if old in data:
-                data.setdefault(new, data.pop(old))
-        if "hybrid_override_pattern" not in data:
-            if "layers_block_type" not in data:
-                raise ConfigError("config needs hybrid_override_pattern (or layers_block_type)")
-            data["hybrid_override_pattern"] = _pattern_from_block_types(
-                data["layers_block_type"], "layers_block_type"
-            )
-        if not isinstance(data["hybrid_override_pattern"], str):
-            raise ConfigError(
-                f"hybrid_override_pattern must be a string, got {data['hybrid_override_pattern']!r}"
-            )
-        data.pop("layers_block_type", None)
-        if "mtp_layers_block_type" in data and "mtp_hybrid_override_pattern" not in data:
-            data["mtp_hybrid_override_pattern"] = _pattern_from_block_types(
-                data["mtp_layers_block_type"], "mtp_layers_block_type"
-            )
-        data.pop("mtp_layers_block_type", None)
-        if data.get("num_nextn_predict_layers") is None:
-            data["num_nextn_predict_layers"] = 0
-        if "time_step_limit" in data:
-            lo, hi = data["time_step_limit"]
-            data["time_step_limit"] = (float(lo), float(hi))
-        names = {f.name for f in fields(cls)} - {"extra"}
-        missing = sorted(
-            f.name
-            for f in fields(cls)
-            if f.name in names
-            and f.name not in data
-            and f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ConfigError(f"model config is missing required field(s): {', '.join(missing)}")
-        known = {k: v for k, v in data.items() if k in names}
-        extra = {k: v for k, v in data.items() if k not in names}
+        """Parse a config.json / YAML mapping of any supported architecture (see config_mapping.py):
+        unknown fields and values that change the math in ways we do not run are a ConfigError naming
+        the field."""
+        from workers.model.config_mapping import map_config
+
         try:
-            return cls(**known, extra=extra)
+            return cls(**map_config(raw, {f.name for f in fields(cls)}))
         except TypeError as exc:
             raise ConfigError(f"bad model config: {exc}") from None
 
@@ -282,13 +279,16 @@ class HybridModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers' NemotronHForCausalLM loads (plus our MTP fields)."""
-        out: dict[str, Any] = dict(self.extra)
+        if self.model_type != "nemotron_h":
+            raise ConfigError(f"to_hf_dict writes NemotronH configs only, not {self.model_type!r}")
+        defaults = HybridModelConfig.__dataclass_fields__
+        out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name != "extra":
-                out[f.name] = getattr(self, f.name)
-        out.pop(
-            "time_step_limit"
-        )  # transformers ignores it (it clamps at time_step_min); avoids `Infinity` in JSON
+            value = getattr(self, f.name)
+            if f.name in NOT_NEMOTRON_FIELDS and value == defaults[f.name].default:
+                continue  # a non-NemotronH field at its neutral value: not a config.json field
+            out[f.name] = value
+        out.pop("time_step_limit")  # transformers ignores it (it clamps at time_step_min); no `Infinity`
         out["model_type"] = "nemotron_h"
         out["architectures"] = ["NemotronHForCausalLM"]
         out["num_hidden_layers"] = self.num_hidden_layers
@@ -297,4 +297,15 @@ class HybridModelConfig:
         if self.num_nextn_predict_layers:
             out["mtp_layers_block_type"] = [_CHAR_TO_BLOCK_TYPE[c] for c in self.mtp_hybrid_override_pattern]
         out.pop("mtp_hybrid_override_pattern")
+        if not set(self.layer_kinds) & {LayerKind.MOE} and LayerKind.MOE not in self.mtp_layer_kinds:
+            for name in _MOE_FIELDS:
+                out.pop(name, None)
         return out
+
+
+# Our own fields that are not NemotronH config.json fields (written only when not neutral).
+NOT_NEMOTRON_FIELDS = ("mlp_gated", "attention_multiplier", "rope_theta", "rotary_dim", "embedding_multiplier",
+                           "residual_multiplier", "logits_scaling", "moe_router")
+_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group",
+               "routed_scaling_factor", "norm_topk_prob")

@@ -12,14 +12,14 @@ class ConfigError(ModelError, ValueError):
 
 
 class UnsupportedLayerError(ConfigError):
-    """The layer pattern names a layer kind this implementation does not run (e.g. `E`, MoE)."""
+    """The layer pattern names a layer kind this implementation does not run (e.g. `X`)."""
 
     def __init__(self, layer_idx: int, char: str, where: str = "hybrid_override_pattern") -> None:
         self.layer_idx = layer_idx
         self.char = char
         super().__init__(
             f"{where}: layer {layer_idx} has unsupported kind {char!r} "
-            "(supported: 'M' Mamba2, '*' attention, '-' MLP; 'E' MoE is not implemented)"
+            "(supported: 'M' Mamba2, '*' attention, '-' MLP, 'E' MoE)"
         )
 
 

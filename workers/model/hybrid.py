@@ -1,10 +1,14 @@
-"""`HybridForCausalLM`: NemotronH decoder (Mamba2 / attention / MLP blocks) over ModelCaches.
+"""`HybridForCausalLM`: hybrid decoder (Mamba2 / attention / MLP / MoE blocks) over ModelCaches.
 
-Module tree and parameter names match transformers' NemotronHForCausalLM, so `state_dict()` keys are
-checkpoint names: model.embeddings, model.layers.{i}.norm, model.layers.{i}.mixer.*, model.norm_f,
-lm_head; the optional MTP head lives under mtp.* (see mtp.py).
+Module tree and parameter names match transformers' NemotronHForCausalLM in memory (model.embeddings,
+model.layers.{i}.norm, model.layers.{i}.mixer.*, model.norm_f, lm_head; MTP under mtp.*, see mtp.py).
+Granite / Bamba checkpoints are renamed onto this tree by checkpoint_names.py (their layer i is our
+blocks 2i and 2i+1).
 
-Each block is pre-norm with a residual:  h = h + mixer(RMSNorm(h));  hidden = norm_f(h) at the end.
+    h = embeddings(ids) * embedding_multiplier
+    h = h + residual_multiplier * mixer(RMSNorm(h))        each block, pre-norm
+    hidden = norm_f(h);   logits = lm_head(hidden) / logits_scaling
+The multipliers are 1 except for Granite.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch
 from workers.model.kernels import TORCH_KERNELS, KernelSet
 from workers.model.mamba2 import Mamba2Mixer
-from workers.model.mlp import MLP
+from workers.model.mlp import make_mlp
+from workers.model.moe import MoE
 from workers.model.norms import RMSNorm
 
 
@@ -28,7 +33,9 @@ def make_mixer(config: HybridModelConfig, kind: LayerKind, kernels: KernelSet) -
         return Mamba2Mixer(config, kernels)
     if kind is LayerKind.ATTENTION:
         return PagedAttention(config, kernels)
-    return MLP(config)
+    if kind is LayerKind.MOE:
+        return MoE(config)
+    return make_mlp(config)
 
 
 class HybridBlock(nn.Module):
@@ -58,7 +65,12 @@ class HybridForCausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: HybridModelConfig, kernels: KernelSet = TORCH_KERNELS, *, with_mtp: bool = False
+        self,
+        config: HybridModelConfig,
+        kernels: KernelSet = TORCH_KERNELS,
+        *,
+        with_mtp: bool = False,
+        tie_lm_head: bool | None = None,
     ):
         super().__init__()
         from workers.model.mtp import MTPHead  # mtp.py builds on this module's blocks
@@ -67,7 +79,10 @@ class HybridForCausalLM(nn.Module):
         self.kernels = kernels
         self.model = HybridBackbone(config, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        # tie_lm_head=False: a NemotronH checkpoint that stores lm_head.weight despite tie_word_embeddings
+        # (transformers' NemotronH never ties: it loads lm_head.weight). See loader.py.
+        self.tied = config.tie_word_embeddings if tie_lm_head is None else tie_lm_head
+        if self.tied:
             self.lm_head.weight = self.model.embeddings.weight
         self.mtp: MTPHead | None = MTPHead(config, self.model.embeddings, kernels) if with_mtp else None
 
@@ -88,7 +103,10 @@ class HybridForCausalLM(nn.Module):
             caches.num_state_slots if self.config.mamba_layer_ids else None,
         )
         plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
+        c = self.config
         h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]
+        if c.embedding_multiplier != 1.0:
+            h = h * c.embedding_multiplier
         for i, block in enumerate(self.model.layers):
             x = block.norm(h)  # [T, hidden]
             if block.kind is LayerKind.MAMBA:
@@ -97,12 +115,15 @@ class HybridForCausalLM(nn.Module):
                 x = block.mixer(x, caches.kv[i], plan)
             else:
                 x = block.mixer(x)
-            h = h + x  # [T, hidden]
+            h = h + (x * c.residual_multiplier if c.residual_multiplier != 1.0 else x)  # [T, hidden]
         return self.model.norm_f(h)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.dtype)).float()  # [T, vocab]
+        logits = self.lm_head(hidden.to(self.dtype))  # [T, vocab]
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits.float()
 
     # ---- caches ----------------------------------------------------------------------------------
     def allocate_caches(

@@ -6,7 +6,8 @@ The YAML holds config.json fields (transformers NemotronHConfig names). Weights 
 activations stay O(1) through depth: embeddings ~N(0, 1), input projections ~N(0, 1/fan_in), residual
 output projections additionally / sqrt(num_layers); A_log = log(1..nheads), D = 1, dt_bias = softplus^-1
 of dt log-uniform in [time_step_min, time_step_max] (floored at time_step_floor), as transformers does.
-Norm weights get a small jitter around 1 so parity tests exercise them. The file loads both in
+Norm weights get a small jitter around 1 so parity tests exercise them. MoE layers (`E`, with the
+NemotronH MoE fields) are written as NVIDIA ships them: one tensor per expert. The file loads both in
 `workers.model.loader.load_model` and in transformers' `AutoModelForCausalLM.from_pretrained`
 (which ignores the mtp.* tensors).
 """
@@ -54,12 +55,14 @@ def init_weights(model: HybridForCausalLM, seed: int) -> None:
             elif "conv1d" in name:
                 bound = 1.0 / math.sqrt(config.conv_kernel)
                 value = (torch.rand(p.shape, generator=g) * 2 - 1) * bound
+            elif name.endswith("e_score_correction_bias"):  # MoE routing bias: large enough to matter
+                value = normal(p.shape, 0.5)
             elif name.endswith("bias"):
                 value = torch.zeros(p.shape)
             elif p.dim() == 1:  # RMSNorm / gated norm weights
                 value = 1.0 + normal(p.shape, 0.1)
-            else:  # Linear [out, in]
-                std = 1.0 / math.sqrt(p.shape[1])
+            else:  # Linear [out, in] or experts [E, out, in]
+                std = 1.0 / math.sqrt(p.shape[-1])
                 if name.endswith(_RESIDUAL_OUT):
                     std *= depth_scale
                 value = normal(p.shape, std)
@@ -74,8 +77,14 @@ def write_checkpoint(config: HybridModelConfig, out_dir: str | Path, seed: int =
     out.mkdir(parents=True, exist_ok=True)
     model = HybridForCausalLM(config, with_mtp=config.num_nextn_predict_layers > 0)
     init_weights(model, seed)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(("experts.up_proj", "experts.down_proj")):  # per-expert tensors, as NVIDIA ships them
+            for e in range(v.shape[0]):
+                state[f"{k.rsplit('.', 1)[0]}.{e}.{k.rsplit('.', 1)[1]}.weight"] = v[e].contiguous()
+        else:
+            state[k] = v.contiguous()
+    if model.tied:
         state.pop("lm_head.weight")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf_dict()

@@ -1,9 +1,15 @@
-"""Load a NemotronH checkpoint directory (config.json + *.safetensors) into `HybridForCausalLM`.
+"""Load a checkpoint directory (config.json + *.safetensors) into `HybridForCausalLM`, streaming.
 
-Tensor names are transformers' (`model.*`, `lm_head.weight`); NVIDIA's original `backbone.*` prefix is
-accepted too. Every tensor the model needs must be present with the right shape and every checkpoint
-tensor must have a place, except `mtp.*`: present and complete -> `model.mtp` is built; absent (or the
-config has num_nextn_predict_layers: 0) -> `model.mtp = None`; present but incomplete -> error.
+Tensors are read one at a time from the memory-mapped shards (safetensors `safe_open`), renamed by
+checkpoint_names.py (NemotronH incl. NVIDIA's `backbone.*` names and per-expert MoE tensors; Granite;
+Bamba), cut to this tensor-parallel rank's slice and cast to the target dtype and device before the next
+one is read: peak RAM is the rank's share of the weights plus about one tensor, never a second full copy.
+
+Every parameter must be present with the right shape and every checkpoint tensor must have a place,
+except `mtp.*`: present and complete -> `model.mtp` is built; absent (or the config has
+num_nextn_predict_layers: 0) -> `model.mtp = None`; present but incomplete -> error.
+`tie_word_embeddings`: a NemotronH checkpoint that stores `lm_head.weight` uses it (transformers'
+NemotronH never ties); otherwise the head is the embedding matrix.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from workers.model.checkpoint_names import Piece, pieces_of
 from workers.model.config import HybridModelConfig
 from workers.model.errors import MissingFileError, MissingTensorError, TensorShapeError, UnexpectedTensorError
 from workers.model.hybrid import HybridForCausalLM
@@ -39,32 +47,121 @@ def checkpoint_files(model_dir: str | Path) -> tuple[Path, list[Path]]:
     return config_path, shards
 
 
-def _read_tensors(shards: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _names(items: list[str]) -> str:
+    more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
+    return ", ".join(items[:5]) + more
 
-    tensors: dict[str, torch.Tensor] = {}
+
+def _plan(config: HybridModelConfig, index: dict[str, Path], where: str) -> dict[str, list[Piece]]:
+    """Our parameter name -> its pieces; UnexpectedTensorError for checkpoint tensors without a place."""
+    plan: dict[str, list[Piece]] = defaultdict(list)
+    homeless = []
+    for source in sorted(index):
+        pieces = pieces_of(source, config)
+        if not pieces:
+            homeless.append(source)
+        for p in pieces:
+            plan[p.target].append(p)
+    if homeless:
+        raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {_names(homeless)}")
+    return dict(plan)
+
+
+class _Reader:
+    """Reads pieces from the shards, one tensor (or one expert) in memory at a time. At most one shard is
+    open (memory-mapped) at once: the caller asks for parameters in shard order, so the mapped pages of a
+    finished shard are released before the next shard is touched."""
+
+    def __init__(self, index: dict[str, Path]) -> None:
+        self.index = index
+        self._path: Path | None = None
+        self._file = None
+
+    def _open(self, source: str):
+        from safetensors import safe_open
+
+        path = self.index[source]
+        if path != self._path:
+            self.close()
+            self._path, self._file = path, safe_open(str(path), framework="pt")
+        return self._file
+
+    def close(self) -> None:
+        self._path = self._file = None  # safe_open unmaps when its handle is dropped
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        f = self._open(piece.source)
+        if piece.split_dim is None:
+            return f.get_tensor(piece.source)
+        sl = f.get_slice(piece.source)
+        size = sl.get_shape()[piece.split_dim] // piece.num_parts
+        cut = slice(piece.part * size, (piece.part + 1) * size)
+        return sl[(slice(None),) * piece.split_dim + (cut,)]
+
+
+def _materialize(name: str, pieces: list[Piece], shape: torch.Size, reader: _Reader, where: str,
+                 rule: tuple[int, torch.Tensor] | None, dtype: torch.dtype, device) -> torch.Tensor:
+    """One parameter: read, check the full shape, take the rank's slice, cast, place."""
+    def finish(t: torch.Tensor, dim_shift: int = 0) -> torch.Tensor:
+        src = t
+        if rule is not None:
+            t = t.index_select(rule[0] - dim_shift, rule[1])
+        t = t.to(device=device, dtype=dtype).contiguous()
+        # a tensor read without a cast can be a view of the memory-mapped file: own the memory, so a
+        # checkpoint rewritten in place later cannot change (or fault) a served model
+        return t.clone() if t.data_ptr() == src.data_ptr() else t
+
+    experts = [p for p in pieces if p.expert is not None]
+    if experts:  # per-expert tensors stacked into [E, ...]
+        by_id = {p.expert: p for p in experts}
+        missing = [f"{name}[{e}]" for e in range(shape[0]) if e not in by_id]
+        if missing or len(experts) != len(pieces) or len(by_id) != len(experts) or max(by_id) >= shape[0]:
+            raise MissingTensorError(f"{where}: {name}: expert tensors incomplete or out of range "
+                                     f"({_names(missing) or sorted(by_id)})")
+        parts = []
+        for e in range(shape[0]):
+            t = reader.read(by_id[e])
+            if tuple(t.shape) != tuple(shape[1:]):
+                raise TensorShapeError(f"{where}: {by_id[e].source} has shape {tuple(t.shape)}, config implies "
+                                       f"{tuple(shape[1:])}")
+            parts.append(finish(t, dim_shift=1))
+        return torch.stack(parts)
+    if len(pieces) != 1:
+        raise UnexpectedTensorError(f"{where}: {name} is given by several tensors: "
+                                    f"{_names([p.source for p in pieces])}")
+    t = reader.read(pieces[0])
+    if t.shape != shape:
+        src = pieces[0].source if pieces[0].source == name else f"{pieces[0].source} (as {name})"
+        raise TensorShapeError(f"{where}: {src} has shape {tuple(t.shape)}, config implies {tuple(shape)}")
+    return finish(t)
+
+
+def _index_shards(shards: list[Path]) -> dict[str, Path]:
+    """Tensor name -> its shard (headers only: no tensor data is read)."""
+    from safetensors import safe_open
+
+    index: dict[str, Path] = {}
     for shard in shards:
-        for name, t in load_file(str(shard)).items():
-            if name.startswith("backbone."):
-                name = "model." + name[len("backbone.") :]
-            tensors[name] = t
-    return tensors
+        with safe_open(str(shard), framework="pt") as f:
+            index.update({k: shard for k in f.keys()})
+    return index
 
 
-def _check_names(expected: dict[str, torch.Size], found: dict[str, torch.Tensor], where: str) -> None:
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise MissingTensorError(f"{where}: missing tensor(s) {', '.join(missing[:5])}{more}")
-    unexpected = sorted(set(found) - set(expected))
-    if unexpected:
-        more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:5])}{more}")
-    for name, shape in expected.items():
-        if found[name].shape != shape:
-            raise TensorShapeError(
-                f"{where}: {name} has shape {tuple(found[name].shape)}, config implies {tuple(shape)}"
-            )
+def _select(config: HybridModelConfig, plan: dict[str, list[Piece]], where: str) -> tuple[dict, bool, bool]:
+    """(plan without what this model does not use, with_mtp, tie lm_head to the embeddings)."""
+    mtp_names = [n for n in plan if n.startswith(MTP_PREFIX)]
+    with_mtp = config.num_nextn_predict_layers > 0 and bool(mtp_names)
+    if mtp_names and not with_mtp:
+        log.warning("%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", where, len(mtp_names))
+    if config.num_nextn_predict_layers and not mtp_names:
+        log.info("%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", where)
+    if not with_mtp:
+        plan = {k: v for k, v in plan.items() if not k.startswith(MTP_PREFIX)}
+    # transformers' NemotronH never ties: a stored lm_head.weight is what it uses.
+    tie = config.tie_word_embeddings and not (config.model_type == "nemotron_h" and "lm_head.weight" in plan)
+    if tie:
+        plan.pop("lm_head.weight", None)
+    return plan, with_mtp, tie
 
 
 def load_model(
@@ -73,37 +170,47 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kernels: str = "auto",
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> HybridForCausalLM:
-    """Build the model described by model_dir/config.json and load its weights (eval mode, no grad)."""
+    """Build the model described by model_dir/config.json and stream its weights in (eval, no grad).
+    With tp_size > 1 the result is rank tp_rank's shard (tp_shard.py layout; attach a group before use)."""
+    from workers.model.tp_shard import finish_shard, local_config, param_slices
+
+    where = str(model_dir)
     config_path, shards = checkpoint_files(model_dir)
     config = HybridModelConfig.from_json_file(config_path)
     kernel_set = select_kernels(kernels, device)
-    tensors = _read_tensors(shards)
-    mtp_names = [n for n in tensors if n.startswith(MTP_PREFIX)]
-    with_mtp = config.num_nextn_predict_layers > 0 and bool(mtp_names)
-    if mtp_names and not with_mtp:
-        log.warning(
-            "%s: ignoring %d mtp.* tensors (num_nextn_predict_layers is 0)", model_dir, len(mtp_names)
-        )
-        for n in mtp_names:
-            tensors.pop(n)
-    if config.num_nextn_predict_layers and not mtp_names:
-        log.info(
-            "%s: config asks for an MTP head but the checkpoint has no mtp.* tensors; mtp = None", model_dir
-        )
-
+    index = _index_shards(shards)
+    plan, with_mtp, tie = _select(config, _plan(config, index, where), where)
     with torch.device("meta"):
-        model = HybridForCausalLM(config, kernel_set, with_mtp=with_mtp)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        tensors.pop("lm_head.weight", None)
-    _check_names(expected, tensors, str(model_dir))
-    if config.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors["model.embeddings.weight"]
-    state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+        full = HybridForCausalLM(config, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
+    expected = {k: v.shape for k, v in full.state_dict().items()}
+    if tie:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(plan))
+    if missing:
+        raise MissingTensorError(f"{where}: missing tensor(s) {_names(missing)}")
+    unexpected = sorted(set(plan) - set(expected))
+    if unexpected:
+        sources = [p.source for n in unexpected for p in plan[n]]
+        raise UnexpectedTensorError(f"{where}: unexpected tensor(s) {_names(sources)}")
+    rules = param_slices(full, tp_size, tp_rank) if tp_size > 1 else {}
+    if tp_size > 1 and tp_rank > 0:
+        expected.pop("lm_head.weight", None)  # logits are computed on rank 0 only
+    reader = _Reader(index)
+    order = sorted(expected, key=lambda n: (str(index[plan[n][0].source]), n))  # shard by shard
+    state = {n: _materialize(n, plan[n], expected[n], reader, where, rules.get(n), dtype, device) for n in order}
+    reader.close()
+    local = local_config(config, tp_size) if tp_size > 1 else config
+    with torch.device("meta"):
+        model = HybridForCausalLM(local, kernel_set, with_mtp=with_mtp, tie_lm_head=tie)
+    if tp_size > 1:
+        return finish_shard(model, state, tp_rank, dtype, device, norm_spans_ranks=config.n_groups == 1)
+    if tie:
+        state["lm_head.weight"] = state["model.embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if tie:
         model.lm_head.weight = model.model.embeddings.weight
     model.requires_grad_(False)
     return model.eval()

@@ -42,8 +42,9 @@ def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
 
 
 class Mamba2Mixer(nn.Module):
-    """Parameter names match transformers' NemotronHMamba2Mixer. Shard-friendly: a TP rank would hold
-    nheads/tp heads, ngroups/tp groups, and the matching rows of in_proj / columns of out_proj."""
+    """Parameter names match transformers' NemotronHMamba2Mixer (Granite's / Bamba's `mamba` too).
+    Shard-friendly: a TP rank holds nheads/tp heads, ngroups/tp groups, and the matching rows of in_proj /
+    columns of out_proj."""
 
     def __init__(self, config: HybridModelConfig, kernels: KernelSet) -> None:
         super().__init__()
@@ -54,7 +55,7 @@ class Mamba2Mixer(nn.Module):
         self.d_inner = config.d_inner
         self.conv_dim = config.conv_dim
         self.chunk_size = config.chunk_size
-        self.dt_min = config.dt_limit[0]
+        self.dt_min, self.dt_max = config.dt_limit
         self.kernels = kernels
         self.in_proj = nn.Linear(config.hidden_size, config.in_proj_dim, bias=config.use_bias)
         self.conv1d = nn.Conv1d(
@@ -142,7 +143,7 @@ class Mamba2Mixer(nn.Module):
         T = hidden.shape[0]
         proj = self.in_proj(hidden)  # [T, in_proj_dim]
         z, xbc_raw, dt_raw = torch.split(proj, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, H]
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=self.dt_min, max=self.dt_max)  # [T, H]
         A = -torch.exp(self.A_log.float())  # [H]
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         y = torch.empty(T, self.nheads, self.head_dim, dtype=torch.float32, device=hidden.device)  # [T, H, P]

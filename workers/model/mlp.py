@@ -1,4 +1,5 @@
-"""NemotronH MLP: down_proj(act(up_proj(x))), no gate; `relu2` = relu(x)^2 by default."""
+"""Dense FFNs: NemotronH's `MLP` (down(act(up(x))), relu2 by default) and Granite / Bamba's `GatedMLP`
+(down(silu(gate(x)) * up(x))). `make_mlp` picks one from the config."""
 
 from __future__ import annotations
 
@@ -17,13 +18,34 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    """Shard-friendly: a TP rank would hold intermediate_size/tp rows of up_proj and columns of down_proj."""
+    """Shard-friendly: a TP rank holds intermediate/tp rows of up_proj and columns of down_proj."""
 
-    def __init__(self, config: HybridModelConfig) -> None:
+    def __init__(self, config: HybridModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        inter = intermediate_size or config.intermediate_size
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.mlp_hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))  # [T, hidden]
+
+
+class GatedMLP(nn.Module):
+    """Granite's shared_mlp (its fused input_linear is split into gate_proj | up_proj at load time) and
+    Bamba's feed_forward. Shard-friendly like MLP: gate/up rows and down columns per rank."""
+
+    def __init__(self, config: HybridModelConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.mlp_hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
+
+
+def make_mlp(config: HybridModelConfig, intermediate_size: int | None = None) -> MLP | GatedMLP:
+    return (GatedMLP if config.mlp_gated else MLP)(config, intermediate_size)

@@ -9,11 +9,16 @@ so the unchanged layer code runs on the shard and the caches it allocates are th
                conv1d      channels of x | B | C (the rank's heads, then groups); conv state likewise
                dt_bias, A_log, D, norm.weight   the rank's heads / channels
                out_proj    row-parallel
-    mlp        up_proj     column-parallel: intermediate_size/tp rows;  down_proj row-parallel
+    mlp        up_proj (+ gate_proj)  column-parallel: intermediate/tp rows;  down_proj row-parallel
+    moe        experts up/gate_proj [E, I, in] and down_proj [E, in, I] split along I (every rank holds
+               every expert's slice, so routing needs no token exchange); the routed sum is all-reduced
+               in MoE.forward; the shared expert is an MLP as above; router and latent projections replicated
     replicated embeddings, every RMSNorm, MTP eh_proj; lm_head on rank 0 only (logits stay there)
 
 Mamba head h belongs to group h // (nheads / ngroups), so with ngroups % tp == 0 the rank's heads use
-exactly its groups' B and C, and the gated RMSNorm (one norm per group) never spans two ranks.
+exactly its groups' B and C, and the gated RMSNorm (one norm per group) never spans two ranks. With
+ngroups == 1 (Granite-4.0-H, Bamba) every rank holds the one group's B and C (replicated) and the gated
+norm over all of d_inner spans the ranks: its sum of squares is all-reduced (as vLLM does).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from workers.model.errors import TensorParallelError
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.kernels import KernelSet
 from workers.model.mamba2 import Mamba2Mixer
-from workers.model.mlp import MLP
+from workers.model.mlp import MLP, GatedMLP
+from workers.model.moe import MoE
+from workers.model.norms import GatedRMSNorm
 
 
 def _split_fields(config: HybridModelConfig) -> dict[str, str]:
@@ -42,9 +49,13 @@ def _split_fields(config: HybridModelConfig) -> dict[str, str]:
         fields["num_key_value_heads"] = "attention KV heads (KV replication is not implemented)"
     if LayerKind.MAMBA in kinds:
         fields["mamba_num_heads"] = "Mamba heads"
-        fields["n_groups"] = "Mamba groups (B/C and the gated RMSNorm groups stay whole on one rank)"
+        if config.n_groups > 1:  # one group is replicated on every rank instead
+            fields["n_groups"] = "Mamba groups (B/C and the gated RMSNorm groups stay whole on one rank)"
     if LayerKind.MLP in kinds:
         fields["intermediate_size"] = "MLP intermediate channels"
+    if LayerKind.MOE in kinds:
+        fields["moe_intermediate_size"] = "MoE expert intermediate channels"
+        fields["moe_shared_expert_intermediate_size"] = "MoE shared expert intermediate channels"
     return fields
 
 
@@ -76,30 +87,45 @@ def _expand(ids: torch.Tensor, width: int) -> torch.Tensor:
     return (ids[:, None] * width + torch.arange(width)).reshape(-1)
 
 
-def _param_slices(model: HybridForCausalLM, tp_size: int, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
-    """Full parameter name -> (dim, indices) kept by `rank`; names not listed are replicated."""
+def param_slices(model: HybridForCausalLM, tp_size: int, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """Full parameter name -> (dim, indices) kept by `rank`; names not listed are replicated. `model` is
+    the full model (on the meta device is enough)."""
     c = model.config
     heads_q = _expand(_block(c.num_attention_heads, tp_size, rank), c.head_dim)
     heads_kv = _expand(_block(c.num_key_value_heads, tp_size, rank), c.head_dim)
-    mlp = _block(c.intermediate_size, tp_size, rank)
     heads = _block(c.mamba_num_heads, tp_size, rank)
     inner = _expand(heads, c.mamba_head_dim)  # x / z / norm channels
-    gn = _expand(_block(c.n_groups, tp_size, rank), c.ssm_state_size)  # B or C channels
+    groups = _block(c.n_groups, tp_size, rank) if c.n_groups > 1 else torch.arange(1)  # 1 group: replicated
+    gn = _expand(groups, c.ssm_state_size)  # B or C channels
     xbc = torch.cat([inner, c.d_inner + gn, c.d_inner + c.n_groups * c.ssm_state_size + gn])
     in_rows = torch.cat([inner, c.d_inner + xbc, c.d_inner + c.conv_dim + heads])
+
+    def mlp_rules(module: nn.Module) -> dict:
+        cols = _block(module.down_proj.in_features, tp_size, rank)
+        rules = {"up_proj.weight": (0, cols), "up_proj.bias": (0, cols), "down_proj.weight": (1, cols)}
+        if isinstance(module, GatedMLP):
+            rules.update({"gate_proj.weight": (0, cols), "gate_proj.bias": (0, cols)})
+        return rules
+
+    expert_cols = _block(c.moe_intermediate_size, tp_size, rank) if c.moe_layer_ids or c.n_routed_experts else None
     rules = {
-        PagedAttention: {"q_proj.weight": (0, heads_q), "k_proj.weight": (0, heads_kv),
-                         "v_proj.weight": (0, heads_kv), "o_proj.weight": (1, heads_q)},
-        MLP: {"up_proj.weight": (0, mlp), "up_proj.bias": (0, mlp), "down_proj.weight": (1, mlp)},
-        Mamba2Mixer: {"in_proj.weight": (0, in_rows), "in_proj.bias": (0, in_rows),
-                      "conv1d.weight": (0, xbc), "conv1d.bias": (0, xbc), "dt_bias": (0, heads),
-                      "A_log": (0, heads), "D": (0, heads), "norm.weight": (0, inner),
-                      "out_proj.weight": (1, inner)},
+        PagedAttention: lambda m: {"q_proj.weight": (0, heads_q), "k_proj.weight": (0, heads_kv),
+                                   "v_proj.weight": (0, heads_kv), "o_proj.weight": (1, heads_q)},
+        MLP: mlp_rules,
+        GatedMLP: mlp_rules,
+        MoE: lambda m: {"experts.up_proj": (1, expert_cols), "experts.gate_proj": (1, expert_cols),
+                        "experts.down_proj": (2, expert_cols)},
+        Mamba2Mixer: lambda m: {"in_proj.weight": (0, in_rows), "in_proj.bias": (0, in_rows),
+                                "conv1d.weight": (0, xbc), "conv1d.bias": (0, xbc), "dt_bias": (0, heads),
+                                "A_log": (0, heads), "D": (0, heads), "norm.weight": (0, inner),
+                                "out_proj.weight": (1, inner)},
     }
     out = {}
     for prefix, module in model.named_modules():
-        for param, rule in rules.get(type(module), {}).items():
-            out[f"{prefix}.{param}"] = rule
+        rule = rules.get(type(module))
+        if rule is not None:
+            for param, r in rule(module).items():
+                out[f"{prefix}.{param}"] = r
     return out
 
 
@@ -120,33 +146,56 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-_ROW_PARALLEL = {PagedAttention: "o_proj", Mamba2Mixer: "out_proj", MLP: "down_proj"}
+_ROW_PARALLEL = {PagedAttention: "o_proj", Mamba2Mixer: "out_proj", MLP: "down_proj", GatedMLP: "down_proj"}
 
 
 def attach_group(shard: HybridForCausalLM, group) -> None:
     """Point every row-parallel layer of the shard at `group` (the ranks can load before they join)."""
     for module in shard.modules():
-        if isinstance(module, RowParallelLinear):
+        if isinstance(module, (RowParallelLinear, MoE)) or (isinstance(module, GatedRMSNorm) and module.spans_ranks):
             module.group = group
 
 
 def shard_model(full: HybridForCausalLM, tp_size: int, rank: int, *, kernels: KernelSet,
                 device: torch.device | str = "cpu", group=None) -> HybridForCausalLM:
-    """Rank `rank`'s shard of a loaded model (eval, no grad, on `device`)."""
-    config = local_config(full.config, tp_size)
-    slices = _param_slices(full, tp_size, rank)
+    """Rank `rank`'s shard of a loaded model (eval, no grad, on `device`). Loading a checkpoint straight
+    into a shard (loader.load_model(tp_size=..., tp_rank=...)) avoids holding the full model."""
+    slices = param_slices(full, tp_size, rank)
     state = {name: (t.index_select(slices[name][0], slices[name][1]) if name in slices else t)
              .to(device).contiguous() for name, t in full.state_dict().items()}
+    if full.tied:
+        state.pop("lm_head.weight")
+    if rank > 0:
+        state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        shard = HybridForCausalLM(config, kernels, with_mtp=full.mtp is not None)
-    shard.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+        shard = HybridForCausalLM(local_config(full.config, tp_size), kernels, with_mtp=full.mtp is not None,
+                                  tie_lm_head=full.tied)
+    spans = tp_size > 1 and full.config.n_groups == 1
+    return finish_shard(shard, state, rank, full.dtype, device, group, norm_spans_ranks=spans)
+
+
+def finish_shard(shard: HybridForCausalLM, state: dict[str, torch.Tensor], rank: int, dtype: torch.dtype,
+                 device: torch.device | str, group=None, *, norm_spans_ranks: bool) -> HybridForCausalLM:
+    """Assign a shard's (already sliced) weights; rank > 0 gets an empty lm_head (logits on rank 0);
+    row-parallel layers are wrapped to all-reduce over `group` (attach_group can set it later).
+    norm_spans_ranks: the full model has one Mamba group and tp_size > 1 (the gated norm then reduces
+    across the ranks)."""
+    hidden = shard.config.hidden_size
+    if rank > 0:
+        state["lm_head.weight"] = torch.empty(0, hidden, dtype=dtype, device=device)
+        shard.lm_head.weight = nn.Parameter(torch.empty(0, hidden, dtype=dtype, device="meta"))
+    elif shard.tied:
+        state.pop("lm_head.weight", None)
+    shard.load_state_dict(state, strict=not shard.tied or rank > 0, assign=True)
+    if shard.tied and rank == 0:
         shard.lm_head.weight = shard.model.embeddings.weight
-    if rank > 0:  # logits are computed on rank 0 only
-        shard.lm_head.weight = nn.Parameter(torch.empty(0, config.hidden_size, dtype=full.dtype, device=device))
     for module in list(shard.modules()):
         name = _ROW_PARALLEL.get(type(module))
         if name is not None:
             setattr(module, name, RowParallelLinear(getattr(module, name), group))
+        if isinstance(module, MoE):
+            module.group = group
+        if isinstance(module, GatedRMSNorm) and norm_spans_ranks:
+            module.spans_ranks, module.group = True, group
     shard.requires_grad_(False)
     return shard.eval()
