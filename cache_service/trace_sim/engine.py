@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cache_service.block_hash import RequestBlockHashes
-from cache_service.coordinator import HitResult, HybridCoordinator
+from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.trace_sim.config import CostModel, SimLayout
@@ -60,13 +60,6 @@ class RequestRecord:
     transfer_tokens: int
     ttft_s: float
     finish_s: float
-
-
-def find_junctions(coordinator: HybridCoordinator, hit: HitResult) -> tuple[int, ...]:
-    """Where the attention match outruns the hit, a snapshot there lets the next sibling hit."""
-    match = hit.attention_match_tokens
-    outruns = any(p > hit.hit_tokens for p in coordinator.reachable_hit_positions([match]))
-    return (match,) if outruns else ()
 
 
 class ClusterSim:
@@ -119,7 +112,7 @@ class ClusterSim:
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
             now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length))
-        junctions = find_junctions(self.coordinator, hit)
+        junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
                              hit.attention_match_tokens, choice.transfer_tokens, first - now, finish)

@@ -125,3 +125,12 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     assert main(["--trace", str(bad), "--policy", "nope", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "trace file not found" in err and "unknown policy 'nope'" in err
+
+
+@pytest.mark.parametrize(("eagle", "expected"), [("off", 1024), ("lossless", 1024), ("drop", 960)])
+def test_eagle_mode_reaches_the_simulated_hit(eagle, expected):
+    # drop (lookahead): 1024 needs the block [1024, 1088) cached to prove the successor token; it
+    # is not (the second request's third block differs), so the hit lands on the snapshot at 960
+    sim = ClusterSim(SimSettings(LAYOUT, COST, 1, "hybrid", 10**8, eagle=eagle, mamba_fraction=0.5))
+    sim.step(make_request(0, 0.0, [0, 1]))
+    assert sim.step(make_request(1, 10.0, [0, 1, 2])).hit_tokens == expected
