@@ -2,7 +2,7 @@
 
     hybridserve simulate --trace bench/traces/mooncake_synthetic_trace.jsonl.gz --replicas 16 \
         --layout nemotron-nano-9b-v2 --policy hybrid --retention latest --eagle off \
-        --out runs/sim-hybrid.json [--parquet runs/sim-hybrid.parquet]
+        --out runs/sim-hybrid.json [--parquet runs/sim-hybrid.parquet] [--plot runs/sim.png]
 
 Writes a summary JSON (and per-request Parquet with --parquet); `--policy all` runs every policy
 on the same trace and adds each one's hit tokens as a ratio of the oracle's.
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="summary JSON path (default: stdout only)")
     p.add_argument("--parquet", default=None, help="per-request records (one file; 'all' adds a policy column)")
+    p.add_argument("--plot", default=None, help="PNG: hit rate, TTFT CDF and memory split per policy")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -95,4 +96,7 @@ def main(argv: list[str]) -> int:
         import pyarrow.parquet as pq
         Path(args.parquet).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), args.parquet)
+    if args.plot:
+        from cache_service.trace_sim.plots import plot_run
+        plot_run(results, rows, args.plot)
     return 0

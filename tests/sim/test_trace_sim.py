@@ -103,10 +103,11 @@ def test_cli_writes_summary_and_parquet(tmp_path):
     lines = [{"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
              {"timestamp": 10000, "input_length": 1536, "output_length": 3, "hash_ids": [0, 1, 2]}]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out, parquet = tmp_path / "s.json", tmp_path / "r.parquet"
+    out, parquet, plot = tmp_path / "s.json", tmp_path / "r.parquet", tmp_path / "p.png"
     rc = main(["--trace", str(trace), "--replicas", "2", "--policy", "all", "--memory-gib", "1",
-               "--out", str(out), "--parquet", str(parquet), "--no-progress"])
+               "--out", str(out), "--parquet", str(parquet), "--plot", str(plot), "--no-progress"])
     assert rc == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
     summary = json.loads(out.read_text())["policies"]
     assert summary["hybrid"]["num_hit_tokens"] == 1024 and summary["oracle"]["num_hit_tokens"] == 1024
     assert summary["round_robin"]["num_hit_tokens"] == 0 and summary["hybrid"]["hit_tokens_vs_oracle"] == 1.0
