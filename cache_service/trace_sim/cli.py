@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="nemotron-nano-9b-v2", help="a name in configs/sim/layouts.yaml")
     p.add_argument("--cost-model", default="gpu", help="a name in configs/sim/cost.yaml")
     p.add_argument("--policy", default="hybrid", help=f"one of {', '.join(POLICY_NAMES)}, or 'all'")
-    p.add_argument("--retention", default="latest", help="latest, dense, or a token interval")
+    p.add_argument("--retention", default="latest", help="latest, dense, a token interval, or value:BYTES")
     p.add_argument("--eagle", default="off", choices=("off", "drop", "lossless"))
     p.add_argument("--memory-gib", type=float, default=20.0, help="cache memory per replica (KV + state)")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")

@@ -25,6 +25,7 @@ from cache_service.trace_sim.config import CostModel, SimLayout
 from cache_service.trace_sim.policies import make_policy
 from cache_service.trace_sim.replica import PrefillQueue, SimReplica
 from cache_service.trace_sim.trace import TraceRequest
+from cache_service.trace_sim.value_retention import parse_value_retention
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class SimSettings:
     num_replicas: int
     policy: str
     budget_bytes: int  # cache memory per replica (KV + Mamba state)
-    retention: str = "latest"
+    retention: str = "latest"  # latest, dense, an interval, or value:BYTES (value_retention.py)
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
     seed: int = 0
@@ -67,7 +68,11 @@ class ClusterSim:
         self.settings = settings
         layout = settings.layout.layout
         self.coordinator = HybridCoordinator(layout, settings.eagle)
-        self.planner = CheckpointPlanner(self.coordinator, make_retention(settings.retention, layout.alignment))
+        pages = settings.layout.page_bytes
+        self._state_bytes = sum(p for g, p in zip(layout.groups, pages) if not g.is_attention)
+        self.value_retention = parse_value_retention(settings.retention, self._state_bytes)
+        retention = self.value_retention or make_retention(settings.retention, layout.alignment)
+        self.planner = CheckpointPlanner(self.coordinator, retention)
         self.index = GlobalIndex(len(layout.groups))
         ids = [f"r{i:03d}" for i in range(settings.num_replicas)]
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
@@ -83,10 +88,8 @@ class ClusterSim:
         self.num_blocks_per_group = blocks
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
-        pages = settings.layout.page_bytes
         groups = layout.groups
         self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
-        self._state_bytes = sum(p for g, p in zip(groups, pages) if not g.is_attention)
 
     def _publish_until(self, now: float) -> None:
         pending = self._pending
@@ -109,6 +112,8 @@ class ClusterSim:
             transfer_s = moved / self.settings.cost.transfer_bytes_per_s
         hit = cache.lookup(hashes, n)
         cache.touch_hit(hashes, hit.hit_tokens)
+        if self.value_retention is not None:
+            self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
             now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length))
