@@ -25,7 +25,7 @@ def test_repetition_presence_frequency_exact():
 
 def test_min_tokens_bans_stop_and_eos_until_reached():
     logits = torch.tensor([0.0, 0.0, 9.0, 8.0, 1.0])
-    s = Sampler(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(3,)), eos_token_id=2)
+    s = Sampler(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(3,)), eos_token_ids=(2,))
     assert s.sample(logits, [], [4]) == 4  # 2 (EOS) and 3 (stop) banned before 2 outputs
     assert s.sample(logits, [], [4, 4]) == 2
     assert Sampler(SamplingParams(min_tokens=2, ignore_eos=True)).sample(logits, [], []) == 2  # no eos passed

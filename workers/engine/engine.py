@@ -97,7 +97,7 @@ class LLMEngine:
             self.cache.layout.hash_block_size, prompt, model_fingerprint=self.config.model_fingerprint,
             cache_salt=cache_salt,
         )
-        eos = None if params.ignore_eos else self.eos_token_id
+        eos = () if params.ignore_eos else self.eos_token_ids
         req = Request(request_id, prompt, params, hashes, cache_salt, sampler=Sampler(params, eos))
         if not self.cache.fits_at_all(req):
             raise InvalidRequestError(

@@ -89,11 +89,12 @@ class SamplingParams:
 class Sampler:
     """Samples one token from a row of logits. Greedy rows without penalties are plain argmax."""
 
-    def __init__(self, params: SamplingParams, eos_token_id: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
+        """`eos_token_ids`: the model's end-of-sequence ids (none when the request ignores eos);
+        with `min_tokens` they are banned, with the request's stop ids, until enough tokens exist."""
         self.params = params
         self.generator: torch.Generator | None = None
-        self.min_tokens_banned = tuple(sorted(set(params.stop_token_ids)
-                                              | ({eos_token_id} if eos_token_id is not None else set())))
+        self.min_tokens_banned = tuple(sorted(set(params.stop_token_ids) | set(eos_token_ids)))
         if not params.greedy:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
