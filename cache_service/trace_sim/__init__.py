@@ -6,6 +6,9 @@ routed by the real `GlobalIndex` + `Router`, with a simple prefill/decode cost m
     config.py    layouts (group specs + page bytes) and cost models from configs/sim/*.yaml
     replica.py   one simulated replica: its cache, its event feed, its prefill queue
     policies.py  routing policies (the real Router plus power_of_two, Ray Serve affinity, oracle)
-    engine.py    the simulated-time loop, per-request records and the summary
+    engine.py    the simulated-time loop and per-request records
+    summary.py   the summary JSON of one run
+    value_retention.py  byte-budgeted retention by expected value (value:BYTES)
+    plots.py     hit rate, TTFT CDF and memory split per policy
     cli.py       `hybridserve simulate`
 """

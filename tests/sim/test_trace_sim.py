@@ -135,3 +135,18 @@ def test_eagle_mode_reaches_the_simulated_hit(eagle, expected):
     sim = ClusterSim(SimSettings(LAYOUT, COST, 1, "hybrid", 10**8, eagle=eagle, mamba_fraction=0.5))
     sim.step(make_request(0, 0.0, [0, 1]))
     assert sim.step(make_request(1, 10.0, [0, 1, 2])).hit_tokens == expected
+
+
+@pytest.mark.parametrize(("name", "expected", "resend_hit"), [
+    # 30 GiB / 1 MiB; 10 GiB / 72,769,536 B. Resend of 3,072 tokens with EAGLE drop: the replay
+    # boundary floor(3071/64)*64 = 3008, and the lookahead block [3008, 3072) is cached
+    ("nemotron-nano-9b-v2", (30720, 147), 3008),
+    ("nemotron-3-moe-mtp", (70217, 430, 70217), 3008),  # 30 GiB / (393,216 + 65,536 B); 10 GiB / 24,965,120 B
+    ("glm-like-seed", (30720, 142, 142, 142), 2304),  # 10 GiB / (3 x 25,165,824 B); A = 2304, block [2304, 2368) cached
+])
+def test_shipped_layouts_size_pools_from_page_bytes(name, expected, resend_hit):
+    layout = load_layout(name)
+    assert layout.pool_blocks(40 * 2**30, 0.25) == expected
+    sim = ClusterSim(SimSettings(layout, COST, 1, "hybrid", 40 * 2**30, eagle="drop"))
+    sim.step(make_request(0, 0.0, [0, 1, 2, 3, 4, 5]))
+    assert sim.step(make_request(1, 10.0, [0, 1, 2, 3, 4, 5])).hit_tokens == resend_hit
