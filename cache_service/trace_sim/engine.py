@@ -116,7 +116,8 @@ class ClusterSim:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
-            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length))
+            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length),
+            n - hit.hit_tokens + req.output_length)
         junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,

@@ -50,11 +50,12 @@ class SimPolicy(ABC):
         self.rng = random.Random(seed)
 
     def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
-        return {r: int(q.queued_prefill_s(now) * self.tokens_per_s) for r, q in zip(self.replica_ids, queues)}
+        """The load the live cluster's router sees: tokens reserved by in-flight requests."""
+        return {r: q.reserved_tokens(now) for r, q in zip(self.replica_ids, queues)}
 
     @staticmethod
     def least_loaded(queues: Sequence[PrefillQueue], now: float, candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda i: (queues[i].queued_prefill_s(now), queues[i].num_in_flight(now), i))
+        return min(candidates, key=lambda i: (queues[i].reserved_tokens(now), i))
 
     @abstractmethod
     def choose(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,

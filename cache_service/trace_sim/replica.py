@@ -20,27 +20,39 @@ from cache_service.retention import CheckpointPlanner
 
 class PrefillQueue:
     """A replica's compute in simulated time: one prefill at a time (FCFS), decode batched
-    beside it (each request's decode runs for its own output length once its prefill ends)."""
+    beside it (each request's decode runs for its own output length once its prefill ends).
+
+    Its load is what the live cluster's backend reserves per request (`cluster_backend._place`):
+    prompt tokens - hit + output tokens, held from routing until the request finishes."""
 
     def __init__(self) -> None:
         self.busy_until = 0.0
-        self._finish_times: list[float] = []  # requests in flight (prefill + decode), a heap
+        self._in_flight: list[tuple[float, int]] = []  # (finish time, reserved tokens), a heap
+        self._num_reserved_tokens = 0
 
     def queued_prefill_s(self, now: float) -> float:
         return max(0.0, self.busy_until - now)
 
-    def num_in_flight(self, now: float) -> int:
-        heap = self._finish_times
-        while heap and heap[0] <= now:
-            heapq.heappop(heap)
-        return len(heap)
+    def _expire(self, now: float) -> None:
+        heap = self._in_flight
+        while heap and heap[0][0] <= now:
+            self._num_reserved_tokens -= heapq.heappop(heap)[1]
 
-    def admit(self, now: float, prefill_s: float, decode_s: float) -> tuple[float, float]:
+    def num_in_flight(self, now: float) -> int:
+        self._expire(now)
+        return len(self._in_flight)
+
+    def reserved_tokens(self, now: float) -> int:
+        self._expire(now)
+        return self._num_reserved_tokens
+
+    def admit(self, now: float, prefill_s: float, decode_s: float, reserved_tokens: int) -> tuple[float, float]:
         """Queue a prefill; returns (first-token time, finish time)."""
         first = max(now, self.busy_until) + prefill_s
         self.busy_until = first
         finish = first + decode_s
-        heapq.heappush(self._finish_times, finish)
+        heapq.heappush(self._in_flight, (finish, reserved_tokens))
+        self._num_reserved_tokens += reserved_tokens
         return first, finish
 
 

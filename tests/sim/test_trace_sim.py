@@ -150,3 +150,12 @@ def test_shipped_layouts_size_pools_from_page_bytes(name, expected, resend_hit):
     sim = ClusterSim(SimSettings(layout, COST, 1, "hybrid", 40 * 2**30, eagle="drop"))
     sim.step(make_request(0, 0.0, [0, 1, 2, 3, 4, 5]))
     assert sim.step(make_request(1, 10.0, [0, 1, 2, 3, 4, 5])).hit_tokens == resend_hit
+
+
+def test_load_is_the_clusters_reservation_held_until_the_request_finishes():
+    sim = make_sim("hybrid", replicas=2)
+    a = sim.step(make_request(0, 0.0, [0, 1]))  # reserves 1024 + 4 tokens until 1.024 + 0.04 s
+    assert sim.queues[a.replica].reserved_tokens(0.5) == 1028
+    b = sim.step(make_request(1, 0.5, [5, 6]))  # no shared prefix: the idle replica wins
+    assert b.replica != a.replica
+    assert sim.queues[a.replica].reserved_tokens(1.064) == 0 and sim.queues[a.replica].num_in_flight(1.064) == 0
