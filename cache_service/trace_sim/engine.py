@@ -106,9 +106,12 @@ class ClusterSim:
         choice = self.policy.choose(hashes.hashes, n, self.queues, now)
         cache = self.caches[choice.replica]
         transfer_s = 0.0
-        if choice.transfer_src is not None:
-            cache.receive_transfer(hashes, choice.transfer_tokens)
-            moved = choice.transfer_tokens * self._attention_bytes_per_token + self._state_bytes
+        num_moved = 0
+        if choice.transfer_src is not None:  # move only what the source really holds
+            num_moved = min(choice.transfer_tokens, self.caches[choice.transfer_src].lookup(hashes, n).hit_tokens)
+        if num_moved:
+            cache.receive_transfer(hashes, num_moved)
+            moved = num_moved * self._attention_bytes_per_token + self._state_bytes
             transfer_s = moved / self.settings.cost.transfer_bytes_per_s
         hit = cache.lookup(hashes, n)
         cache.touch_hit(hashes, hit.hit_tokens)
@@ -121,7 +124,7 @@ class ClusterSim:
         junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
-                             hit.attention_match_tokens, choice.transfer_tokens, first - now, finish)
+                             hit.attention_match_tokens, num_moved, first - now, finish)
 
     def run(self, requests: Iterable[TraceRequest],
             on_step: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
