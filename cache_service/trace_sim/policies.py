@@ -7,11 +7,6 @@ real `Router` over the real `GlobalIndex`; the others are defined here on the sa
                                (10) go least loaded; else the highest prefix match if its match
                                rate is >= `match_rate_threshold` (0.1); else least loaded. Its
                                prefix tree matches prompt text, i.e. attention overlap here.
-    hybrid_junction            a proposal, not the served router: `hybrid` whose hit estimate
-                               on a replica is max(reconciled hit, attention match), since a
-                               request whose KV match outruns its hit snapshots at the junction
-                               there and its siblings then hit (keeps conversations together);
-                               no transfers (a credited hit is not there yet to move)
     oracle                     one cache with the memory of all replicas (no routing question);
                                compute goes to the least-loaded replica
 """
@@ -30,8 +25,7 @@ from cache_service.router import Router, RouterConfig, RoutingPolicy
 from cache_service.trace_sim.replica import PrefillQueue
 
 POLICY_NAMES = (
-    "hybrid", "attention_overlap", "round_robin", "power_of_two", "ray_serve_prefix_affinity", "hybrid_junction",
-    "oracle",
+    "hybrid", "attention_overlap", "round_robin", "power_of_two", "ray_serve_prefix_affinity", "oracle",
 )
 
 
@@ -68,24 +62,13 @@ class SimPolicy(ABC):
                queues: Sequence[PrefillQueue], now: float) -> Choice: ...
 
 
-class JunctionAwareRouter(Router):
-    """`hybrid` crediting the junction a request will snapshot (see the module docstring)."""
-
-    def _hit(self, replica_id, hashes, num_prompt_tokens):
-        hit, attention = super()._hit(replica_id, hashes, num_prompt_tokens)
-        return max(hit, attention), attention
-
-    def _maybe_transfer(self, decision, num_prompt_tokens, load):
-        return decision  # a credited hit is not there yet to move
-
-
 class RouterPolicy(SimPolicy):
     """The cluster's own Router (hybrid may plan a transfer)."""
 
-    def __init__(self, *args, policy: RoutingPolicy, router_cls: type[Router] = Router, **kwargs) -> None:
+    def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = policy.value
-        self.router = router_cls(self.index, self.coordinator, policy, RouterConfig())
+        self.router = Router(self.index, self.coordinator, policy, RouterConfig())
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
@@ -136,10 +119,6 @@ def make_policy(name: str, index: GlobalIndex, coordinator: HybridCoordinator, r
     args = (index, coordinator, replica_ids, tokens_per_s, seed)
     if name in ("hybrid", "attention_overlap", "round_robin"):
         return RouterPolicy(*args, policy=RoutingPolicy(name))
-    if name == "hybrid_junction":
-        policy = RouterPolicy(*args, policy=RoutingPolicy.HYBRID, router_cls=JunctionAwareRouter)
-        policy.name = name
-        return policy
     table = {"power_of_two": PowerOfTwo, "ray_serve_prefix_affinity": RayServePrefixAffinity, "oracle": Oracle}
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
