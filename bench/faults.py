@@ -119,8 +119,10 @@ def make_backend(model_dir: str, config: FaultConfig, tp_size: int = 1, num_repl
     from workers.engine.config import EngineConfig
 
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=config.cache_memory_bytes)
+    from bench.fault_doubles import FaultyReplica
+
     return ClusterBackend(model_dir, engine, BackendConfig(num_replicas=num_replicas, tp_size=tp_size,
-                                                           transfer_timeout_s=30.0))
+                                                           transfer_timeout_s=30.0), replica_cls=FaultyReplica)
 
 
 def workload_config(config: FaultConfig, salt: str):
@@ -182,13 +184,14 @@ def _forced(env: Env, salt: str) -> list:
 
 
 def _actor(env: Env, replica_id: str):
-    return env.backend.replicas[replica_id].actor
+    return env.backend.replicas.get(replica_id).actor
 
 
 def run_scenario(env: Env, name: str) -> ScenarioResult:
     """Traffic over HTTP with `name`'s fault injected `fault_after_s` in; scored against cold."""
     import ray
 
+    from bench.fault_doubles import kill_cache_service, kill_replica
     from cluster.loadtest import run_workload
 
     backend, config = env.backend, env.config
@@ -240,20 +243,20 @@ def run_scenario(env: Env, name: str) -> ScenarioResult:
         extra = _forced(env, prompt_salt)
     elif name == "kill_cache_service":
         fired.append(time.time())
-        backend.kill_cache_service()
+        kill_cache_service(backend)
     elif name == "kill_replica":
         fired.append(time.time())
-        backend.kill_replica(victims[0])
+        kill_replica(backend, victims[0])
     elif name == "kill_tp_rank":
         workers = ray.get(_actor(env, victims[0]).tp_workers.remote())
         fired.append(time.time())
         ray.kill(workers[0], no_restart=True)
     result.recovery_s = _recovery(env, name, victims, fired)
     traffic.join(timeout=300)
-    backend.on_routed = None
+    vars(backend).pop("on_routed", None)  # back to the class's no-op seam
     _score(result, env, [(int(r.group[1:]), r.status, r.error, r.output_token_ids) for r in records] + extra)
-    result.details.update({k: backend.counters[k] - before[k] for k in backend.counters
-                           if backend.counters[k] != before[k]})
+    after = backend.counters
+    result.details.update({k: after[k] - before[k] for k in after if after[k] != before[k]})
     if name == "evict_while_routed":
         result.details["pages_evicted"] = sum(evicted)
     result.details["replicas_after"] = backend.replica_ids

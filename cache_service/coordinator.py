@@ -150,6 +150,17 @@ class HybridCoordinator:
             return boundary.position
         return boundary.position - self.alignment
 
+    def serving_extent(self, group_id: int, hit_tokens: int) -> int:
+        """How far group `group_id`'s cached blocks must reach to serve a hit of `hit_tokens`:
+        the hit itself, plus a dropping group's proof of the successor token (its lookahead
+        block under the lookahead rule, one alignment unit under the alignment rule). A transfer
+        moves exactly these blocks."""
+        if group_id not in self.dropping_groups or not hit_tokens:
+            return hit_tokens
+        if self.drop_rule is DropRule.LOOKAHEAD:
+            return hit_tokens + self.layout.groups[group_id].block_size
+        return hit_tokens + self.alignment
+
     def reachable_hit_positions(self, boundaries: Iterable[Boundary]) -> tuple[int, ...]:
         """Where lookups land below the given boundaries (see `landing`), positions > 0 only.
         Retention keeps snapshots at these positions besides the boundaries themselves."""

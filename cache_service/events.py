@@ -2,6 +2,8 @@
 
 Every event carries the replica-wide sequence number assigned by its `EventSink`; the index
 detects a gap (a lost or reordered batch) from it and asks that replica for a full resync.
+On the wire (`messages.EventBatchMsg`) a batch is packed: the events for one block of every
+group become one `BlockRecord` with a bitmask of groups (`pack_events`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
+from cache_service.messages import BlockRecord, RecordKind
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,45 @@ class EventSink:
         with self._lock:
             out, self._events = self._events, []
         return out
+
+    def take_batch(self) -> tuple[int, int, tuple[BlockRecord, ...]]:
+        """(first seq, end seq, packed records) of every event not yet taken."""
+        with self._lock:
+            events, self._events, end = self._events, [], self._next_seq
+        return (events[0].seq if events else end), end, pack_events(events)
+
+
+_KIND = {BlockStored: RecordKind.STORED, BlockRemoved: RecordKind.REMOVED, AllBlocksCleared: RecordKind.CLEARED}
+
+
+def pack_events(events: list[CacheEvent]) -> tuple[BlockRecord, ...]:
+    """One record per (kind, block) for all groups, order-preserving per block.
+
+    A group's event for a block merges into that block's latest record when the kind matches:
+    nothing about that block happened in between, and other blocks are independent. A clear is
+    a barrier (it touches every block of its group): nothing merges across it."""
+    kinds: list[RecordKind] = []
+    keys: list[BlockHash | None] = []
+    masks: list[int] = []
+    latest: dict[BlockHash, int] = {}
+    for event in events:
+        kind, bit = _KIND[type(event)], 1 << event.group_id
+        if kind is RecordKind.CLEARED:
+            if kinds and kinds[-1] is RecordKind.CLEARED:
+                masks[-1] |= bit
+            else:
+                kinds.append(kind)
+                keys.append(None)
+                masks.append(bit)
+            latest.clear()
+            continue
+        for key in event.block_hashes:
+            at = latest.get(key)
+            if at is not None and kinds[at] is kind and not masks[at] & bit:
+                masks[at] |= bit
+            else:
+                latest[key] = len(kinds)
+                kinds.append(kind)
+                keys.append(key)
+                masks.append(bit)
+    return tuple(BlockRecord(k, key, m) for k, key, m in zip(kinds, keys, masks))

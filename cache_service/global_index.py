@@ -1,12 +1,14 @@
 """The cluster-wide index: which replica holds which block hashes and Mamba snapshots, per group.
 
-Fed by replica events (`events.py`). Each replica's events must arrive with consecutive
-sequence numbers; a gap (lost or reordered batch) marks the replica stale until it sends a full
-resync, and its entries are ignored for routing meanwhile. A dead replica is purged.
+Fed by batches of replica events pushed once per engine step (`messages.EventBatchMsg`). Each
+replica's batches must arrive with contiguous sequence ranges; a gap (a lost or reordered
+batch) marks the replica stale until it sends a chunked resync, and its entries are ignored for
+routing meanwhile (it is still routed by load). A dead replica is purged.
 
-Storage: per group, `hash -> bitmask of replicas`, so one index serves any number of replica
-views and a lookup is a dict probe plus a bit test. `ReplicaView` is the `CacheLookup` the
-coordinator sees for one replica: the same hit semantics as on the worker itself.
+Storage: per group, `hash -> bitmask of replicas`, so one index serves any number of replicas:
+`scorer.AllReplicaScorer` scores all of them in one walk of a request's chain, and
+`ReplicaView` is the `CacheLookup` the coordinator sees for one replica (the same hit
+semantics as on the worker itself).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cache_service.block_hash import BlockHash
-from cache_service.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from cache_service.events import CacheEvent, pack_events
+from cache_service.messages import BlockRecord, RecordKind
 
 
 @dataclass
@@ -24,7 +27,8 @@ class ReplicaState:
     replica_id: str
     bit: int
     next_seq: int = 0
-    stale: bool = False  # a gap was seen; waiting for a resync
+    stale: bool = True  # no consistent view yet (new, a gap, or a resync in progress)
+    resync_id: str | None = None  # the chunked resync in progress
     num_entries: list[int] = field(default_factory=list)
 
 
@@ -37,21 +41,22 @@ class ApplyResult:
 class GlobalIndex:
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
-        self._holders: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        self.holders: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self.replicas: dict[str, ReplicaState] = {}
-        self._free_bits: list[int] = []
+        self.by_bit: dict[int, str] = {}
+        self._routable: int | None = None  # cached bitmask of non-stale replicas (None: recompute)
         self._lock = threading.RLock()
 
     # ---- membership -----------------------------------------------------------------------
-    def add_replica(self, replica_id: str) -> ReplicaState:
+    def add_replica(self, replica_id: str, stale: bool = False) -> ReplicaState:
         with self._lock:
             if replica_id in self.replicas:
                 return self.replicas[replica_id]
-            bit = self._free_bits.pop() if self._free_bits else len(self.replicas) + len(self._free_bits)
-            while any(r.bit == bit for r in self.replicas.values()):
-                bit += 1
-            state = ReplicaState(replica_id, bit, num_entries=[0] * self.num_groups)
+            bit = next(b for b in range(len(self.by_bit) + 1) if b not in self.by_bit)
+            state = ReplicaState(replica_id, bit, stale=stale, num_entries=[0] * self.num_groups)
             self.replicas[replica_id] = state
+            self.by_bit[bit] = replica_id
+            self._routable = None
             return state
 
     def purge(self, replica_id: str) -> int:
@@ -61,65 +66,110 @@ class GlobalIndex:
             if state is None:
                 return 0
             removed = self._clear_bits(state)
-            self._free_bits.append(state.bit)
+            del self.by_bit[state.bit]
+            self._routable = None
             return removed
 
     def _clear_bits(self, state: ReplicaState) -> int:
-        removed = sum(_clear_group(holders, 1 << state.bit) for holders in self._holders)
+        removed = sum(_clear_group(holders, 1 << state.bit) for holders in self.holders)
         state.num_entries = [0] * self.num_groups
         return removed
 
     # ---- events ---------------------------------------------------------------------------
-    def apply(self, replica_id: str, events: Sequence[CacheEvent]) -> ApplyResult:
-        """Apply one batch of a replica's events, in order. A sequence gap marks the replica
-        stale (ignored for routing) and asks for a resync; nothing from the batch is applied."""
+    def apply_batch(self, replica_id: str, first_seq: int, end_seq: int,
+                    records: Sequence[BlockRecord]) -> ApplyResult:
+        """Apply one pushed batch covering events [first_seq, end_seq). A batch wholly below the
+        expected seq is old (already in a resync snapshot) and skipped; a gap marks the replica
+        stale and asks for a resync; nothing from such a batch is applied."""
         with self._lock:
             state = self.replicas.get(replica_id) or self.add_replica(replica_id)
             if state.stale:
                 return ApplyResult(0, True)
-            for offset, event in enumerate(events):
-                if event.seq != state.next_seq + offset:
-                    state.stale = True
-                    return ApplyResult(0, True)
+            if end_seq <= state.next_seq:
+                return ApplyResult(0, False)
+            if first_seq != state.next_seq:
+                state.stale, self._routable = True, None
+                return ApplyResult(0, True)
             mask = 1 << state.bit
-            for event in events:
-                holders = self._holders[event.group_id]
-                if isinstance(event, BlockStored):
-                    for key in event.block_hashes:
+            counts = state.num_entries
+            for rec in records:
+                groups = rec.group_mask
+                if rec.kind is RecordKind.CLEARED:
+                    for g in range(self.num_groups):
+                        if groups >> g & 1:
+                            _clear_group(self.holders[g], mask)
+                            counts[g] = 0
+                    continue
+                key, stored = rec.block_hash, rec.kind is RecordKind.STORED
+                g = 0
+                while groups:
+                    if groups & 1:
+                        holders = self.holders[g]
                         old = holders.get(key, 0)
-                        if not old & mask:
-                            state.num_entries[event.group_id] += 1
-                        holders[key] = old | mask
-                elif isinstance(event, BlockRemoved):
-                    for key in event.block_hashes:
-                        old = holders.get(key, 0)
-                        if old & mask:
-                            state.num_entries[event.group_id] -= 1
+                        if stored and not old & mask:
+                            holders[key] = old | mask
+                            counts[g] += 1
+                        elif not stored and old & mask:
+                            counts[g] -= 1
                             if old & ~mask:
                                 holders[key] = old & ~mask
                             else:
                                 del holders[key]
-                elif isinstance(event, AllBlocksCleared):
-                    _clear_group(holders, mask)
-                    state.num_entries[event.group_id] = 0
-            state.next_seq += len(events)
-            return ApplyResult(len(events), False)
+                    groups >>= 1
+                    g += 1
+            state.next_seq = end_seq
+            return ApplyResult(len(records), False)
+
+    def apply(self, replica_id: str, events: Sequence[CacheEvent]) -> ApplyResult:
+        """Apply per-group events (consecutive seqs) as one batch."""
+        if not events:
+            return ApplyResult(0, self.replicas.get(replica_id, self.add_replica(replica_id)).stale)
+        for offset, event in enumerate(events):
+            if event.seq != events[0].seq + offset:  # reordered inside the batch: a gap
+                with self._lock:
+                    (self.replicas.get(replica_id) or self.add_replica(replica_id)).stale = True
+                    self._routable = None
+                return ApplyResult(0, True)
+        return self.apply_batch(replica_id, events[0].seq, events[-1].seq + 1, pack_events(events))
+
+    # ---- chunked resync -------------------------------------------------------------------
+    def begin_resync(self, replica_id: str, resync_id: str) -> None:
+        """Clear the replica's entries; it is routed by load only until `end_resync`."""
+        with self._lock:
+            state = self.replicas.get(replica_id) or self.add_replica(replica_id)
+            self._clear_bits(state)
+            state.stale, state.resync_id, self._routable = True, resync_id, None
+
+    def resync_chunk(self, replica_id: str, resync_id: str, group_id: int, keys: Iterable[BlockHash]) -> bool:
+        """Add one chunk; False if no such resync is in progress (e.g. the service restarted)."""
+        with self._lock:
+            state = self.replicas.get(replica_id)
+            if state is None or state.resync_id != resync_id:
+                return False
+            mask, holders, added = 1 << state.bit, self.holders[group_id], 0
+            for key in keys:
+                old = holders.get(key, 0)
+                if not old & mask:
+                    holders[key] = old | mask
+                    added += 1
+            state.num_entries[group_id] += added
+            return True
+
+    def end_resync(self, replica_id: str, resync_id: str, next_seq: int) -> bool:
+        with self._lock:
+            state = self.replicas.get(replica_id)
+            if state is None or state.resync_id != resync_id:
+                return False
+            state.next_seq, state.stale, state.resync_id, self._routable = next_seq, False, None, None
+            return True
 
     def resync(self, replica_id: str, contents: Sequence[Iterable[BlockHash]], next_seq: int) -> None:
         """Replace a replica's entries with a full snapshot taken when its next event is `next_seq`."""
         with self._lock:
-            state = self.replicas.get(replica_id) or self.add_replica(replica_id)
-            self._clear_bits(state)
-            mask = 1 << state.bit
+            self.begin_resync(replica_id, "whole")
             for group, keys in enumerate(contents):
-                holders = self._holders[group]
-                count = 0
-                for key in keys:
-                    holders[key] = holders.get(key, 0) | mask
-                    count += 1
-                state.num_entries[group] = count
-            state.next_seq = next_seq
-            state.stale = False
+                self.resync_chunk(replica_id, "whole", group, keys)
+            self.end_resync(replica_id, "whole", next_seq)
 
     # ---- lookups --------------------------------------------------------------------------
     def view(self, replica_id: str) -> ReplicaView:
@@ -128,9 +178,30 @@ class GlobalIndex:
     def routable_replicas(self) -> list[str]:
         return [r for r, s in self.replicas.items() if not s.stale]
 
+    def mask_of(self, replica_ids: Iterable[str]) -> int:
+        """The bits of those of `replica_ids` whose entries can be trusted (known, not stale)."""
+        routable = self.routable_mask()
+        if replica_ids is self.replicas.keys() or replica_ids == self.replicas.keys():
+            return routable
+        mask = 0
+        for r in replica_ids:
+            s = self.replicas.get(r)
+            if s is not None:
+                mask |= 1 << s.bit
+        return mask & routable
+
+    def routable_mask(self) -> int:
+        if self._routable is None:
+            mask = 0
+            for s in self.replicas.values():
+                if not s.stale:
+                    mask |= 1 << s.bit
+            self._routable = mask
+        return self._routable
+
     @property
     def num_entries(self) -> int:
-        return sum(len(h) for h in self._holders)
+        return sum(len(h) for h in self.holders)
 
 
 def _clear_group(holders: dict[BlockHash, int], mask: int) -> int:
@@ -151,7 +222,7 @@ class ReplicaView:
     __slots__ = ("_holders", "_mask")
 
     def __init__(self, index: GlobalIndex, bit: int) -> None:
-        self._holders = index._holders
+        self._holders = index.holders
         self._mask = 1 << bit
 
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:

@@ -1,11 +1,15 @@
 """Routing by estimated cost: the prefill of the tokens each replica would *really* recompute
-(the reconciled hybrid hit, computed by the same coordinator the workers use) plus its load.
+(the reconciled hybrid hit, with the coordinator's semantics) plus its load.
 
 Policies, for comparison:
     hybrid             cost = prefill(N - reconciled hit on r) + load(r); may plan a transfer
     attention_overlap  like routers built for dense models: counts matched attention blocks
                        only, blind to where Mamba snapshots live
     round_robin, random
+Every replica is scored in one pass over the prompt's chain (`scorer.AllReplicaScorer`): a
+decision costs O(blocks + replicas), not a coordinator run per replica. Equal costs prefer the
+replica holding more of the prompt's attention KV, then the less loaded one, then a random one
+(an idle cluster spreads requests instead of sending all of them to the first replica).
 A transfer competes when the best holder is busy: a less-loaded replica receives the holder's
 KV pages and Mamba page for the hit, then serves a normal local hit.
 """
@@ -14,13 +18,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
+from cache_service.messages import ReplicaEstimate, RouteDecision, TransferPlan
+from cache_service.scorer import AllReplicaScorer
 
 
 class RoutingPolicy(str, Enum):
@@ -38,28 +44,7 @@ class RouterConfig:
     min_transfer_tokens: int = 256
 
 
-@dataclass(frozen=True)
-class ReplicaEstimate:
-    replica_id: str
-    hit_tokens: int  # what this policy believes the replica would hit
-    cost: float
-    attention_tokens: int = 0  # matched attention blocks there (tokens): the tie-break
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    src_replica: str
-    dst_replica: str
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class RouteDecision:
-    replica_id: str
-    policy: RoutingPolicy
-    expected_hit_tokens: int
-    estimates: tuple[ReplicaEstimate, ...]
-    transfer: TransferPlan | None = None
+MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages from the best one)
 
 
 class NoReplicaError(RuntimeError):
@@ -75,53 +60,89 @@ class Router:
         self.config = config or RouterConfig()
         self._rr = itertools.count()
         self._rng = random.Random(seed)
-
-    def _hit(self, replica_id: str, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> tuple[int, int]:
-        """(the hit this policy believes in, the attention match) on `replica_id`."""
-        result = self.coordinator.find_longest_hit(hashes, num_prompt_tokens, self.index.view(replica_id), False)
-        if self.policy is RoutingPolicy.ATTENTION_OVERLAP:
-            return result.attention_match_tokens, result.attention_match_tokens
-        return result.hit_tokens, result.attention_match_tokens
+        self.scorer = AllReplicaScorer(coordinator)
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
-              queued_tokens: Mapping[str, int] | None = None) -> RouteDecision:
-        replicas = sorted(r for r in self.index.routable_replicas() if queued_tokens is None or r in queued_tokens)
-        if not replicas:
+              queued_tokens: Mapping[str, int] | None = None, candidates: Collection[str] | None = None,
+              forced: str | None = None) -> RouteDecision:
+        """`candidates` (default: the keys of `queued_tokens`, else every indexed replica) with
+        their load in `queued_tokens` (missing: 0). Candidates the index cannot vouch for (stale,
+        unknown) count as hitting nothing. Costs O(blocks + replicas): only replicas that hit
+        something are costed one by one; the others differ only in load. `forced` (if a
+        candidate) is chosen whatever it costs. The decision's estimates list the chosen replica
+        and the `MAX_ESTIMATES` best holders."""
+        load = queued_tokens if queued_tokens is not None else {}
+        if candidates is None:
+            candidates = load.keys() if queued_tokens is not None else self.index.replicas.keys()
+        if not candidates:
             raise NoReplicaError("no routable replica")
-        load = queued_tokens or {}
-        if self.policy is RoutingPolicy.ROUND_ROBIN:
-            return RouteDecision(replicas[next(self._rr) % len(replicas)], self.policy, 0, ())
-        if self.policy is RoutingPolicy.RANDOM:
-            return RouteDecision(self._rng.choice(replicas), self.policy, 0, ())
-        c = self.config
-        estimates = []
-        for r in replicas:
-            hit, attention = self._hit(r, hashes, num_prompt_tokens)
-            cost = (num_prompt_tokens - hit) * c.prefill_cost_per_token + load.get(r, 0) * c.load_cost_per_queued_token
-            estimates.append(ReplicaEstimate(r, hit, cost, attention))
-        # equal cost: prefer the replica holding more of the prompt's attention KV; it is where a
-        # shared-prefix junction gets its Mamba snapshot (the next request there then hits)
-        best = min(estimates, key=lambda e: (e.cost, -e.attention_tokens, e.replica_id))
-        decision = RouteDecision(best.replica_id, self.policy, best.hit_tokens, tuple(estimates))
-        if self.policy is RoutingPolicy.HYBRID:
-            decision = self._maybe_transfer(decision, num_prompt_tokens, load)
+        policy = self.policy.value
+        if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
+            replicas = sorted(candidates)
+            pick = (replicas[next(self._rr) % len(replicas)] if self.policy is RoutingPolicy.ROUND_ROBIN
+                    else self._rng.choice(replicas))
+            return RouteDecision(pick, policy, 0, ())
+        everyone = self.index.mask_of(candidates)
+        hits: dict[str, int] = {}
+        attention: dict[str, int] = {}
+        if everyone:
+            scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, everyone)
+            by_bit = self.index.by_bit
+            attention = {by_bit[b]: v for b, v in scores.attention_tokens.items()}
+            hits = attention if self.policy is RoutingPolicy.ATTENTION_OVERLAP else {
+                by_bit[b]: v for b, v in scores.hit_tokens.items()}
+        special = hits.keys() | attention.keys()
+        best_key, best = None, []
+        for r in special:
+            n = load.get(r, 0)
+            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n), -attention.get(r, 0), n)
+            if best_key is None or key < best_key:
+                best_key, best = key, [r]
+            elif key == best_key:
+                best.append(r)
+        rest = candidates - special if special else candidates
+        least = min((load.get(r, 0) for r in rest), default=None)
+        idle = [r for r in rest if load.get(r, 0) == least] if least is not None else []
+        if idle:
+            key = (self._cost(num_prompt_tokens, 0, least), 0, least)
+            if best_key is None or key < best_key:
+                best_key, best = key, idle
+            elif key == best_key:
+                best = best + idle
+        chosen = best[0] if len(best) == 1 else self._rng.choice(sorted(best))
+        if forced is not None and forced in candidates:
+            chosen = forced
+        holders = sorted(special, key=lambda r: (-hits.get(r, 0), -attention.get(r, 0), r))[:MAX_ESTIMATES]
+        estimate = {r: ReplicaEstimate(r, hits.get(r, 0), self._cost(num_prompt_tokens, hits.get(r, 0),
+                                                                     load.get(r, 0)), attention.get(r, 0))
+                    for r in sorted({chosen, *holders})}
+        decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
+        if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
+            lightest = min(idle) if idle else None
+            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
         return decision
 
-    def _maybe_transfer(
-        self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int]
-    ) -> RouteDecision:
+    def _cost(self, num_prompt_tokens: int, hit: int, load: int) -> float:
+        c = self.config
+        return (num_prompt_tokens - hit) * c.prefill_cost_per_token + load * c.load_cost_per_queued_token
+
+    def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
+                        best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:
+        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits)."""
         c = self.config
         holder = max(decision.estimates, key=lambda e: (e.hit_tokens, -e.cost))
         if holder.hit_tokens < c.min_transfer_tokens:
             return decision
-        best_cost = min(e.cost for e in decision.estimates)
-        for dst in sorted(decision.estimates, key=lambda e: load.get(e.replica_id, 0)):
-            if dst.replica_id == holder.replica_id or dst.hit_tokens >= holder.hit_tokens:
-                continue
-            cost = ((num_prompt_tokens - holder.hit_tokens) * c.prefill_cost_per_token
-                    + load.get(dst.replica_id, 0) * c.load_cost_per_queued_token
-                    + holder.hit_tokens * c.transfer_cost_per_token)
-            if cost < best_cost:
-                plan = TransferPlan(holder.replica_id, dst.replica_id, holder.hit_tokens)
-                return RouteDecision(dst.replica_id, self.policy, holder.hit_tokens, decision.estimates, plan)
-        return decision
+        options = [r for r, h in hits.items() if r != holder.replica_id and h < holder.hit_tokens]
+        dst = min(options + ([lightest] if lightest else []), key=lambda r: (load.get(r, 0), r), default=None)
+        if dst is None:
+            return decision
+        cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load.get(dst, 0))
+                + holder.hit_tokens * c.transfer_cost_per_token)
+        if cost >= best_cost:
+            return decision
+        plan = TransferPlan(holder.replica_id, dst, holder.hit_tokens)
+        estimates = decision.estimates
+        if dst not in {e.replica_id for e in estimates}:
+            estimates = (*estimates, ReplicaEstimate(dst, 0, self._cost(num_prompt_tokens, 0, load.get(dst, 0))))
+        return RouteDecision(dst, decision.policy, holder.hit_tokens, estimates, plan)

@@ -31,6 +31,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ClusterConfig:
     backend: str = "ray"  # ray: replicas as Ray actors + cache service; inprocess: one engine, no Ray
+    name: str = "hybridserve"  # the cluster's controller is "<name>-controller": a restarted server reattaches
+    num_frontends: int = 1  # HTTP front doors (each routes; ports http.port .. http.port + n - 1)
     ray_address: str | None = None  # None: $RAY_ADDRESS if set (ray job submit), else an embedded local cluster
     num_cpus: int | None = None  # embedded cluster only (None: detect)
     node_ip_address: str = "127.0.0.1"
@@ -41,7 +43,7 @@ class ClusterConfig:
     tp_size: int = 1
     distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
     num_gpus_per_rank: float = 0.0
-    max_inflight: int = 256  # accepted unfinished requests; beyond this, HTTP 429
+    max_inflight: int = 4096  # accepted unfinished requests (queued, not refused); beyond this, HTTP 429
     scale_up_queue_depth: float = 4.0  # autoscaler: add a replica above this many requests per replica
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0
@@ -58,6 +60,8 @@ class ClusterConfig:
             raise ConfigError("cluster: need 1 <= min_replicas <= num_replicas <= max_replicas")
         if self.tp_size < 1:
             raise ConfigError("cluster.tp_size must be >= 1")
+        if self.num_frontends < 1:
+            raise ConfigError("cluster.num_frontends must be >= 1")
         if self.distributed_backend not in ("gloo", "nccl"):
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
 

@@ -12,13 +12,16 @@ import ray
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "hybridserve"
+
 
 def start_local_ray(num_cpus: int | None = 2, node_ip_address: str = "127.0.0.1",
                     dashboard_host: str = "127.0.0.1", include_dashboard: bool = False) -> None:
     """Embedded cluster on loopback only (no-op if Ray is already initialised)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, _node_ip_address=node_ip_address, include_dashboard=include_dashboard,
+        ray.init(num_cpus=num_cpus, namespace=NAMESPACE, _node_ip_address=node_ip_address,
+                 include_dashboard=include_dashboard,
                  dashboard_host=dashboard_host, log_to_driver=False, configure_logging=False)
         log.info("started an embedded Ray cluster on %s", node_ip_address)
 
@@ -37,7 +40,8 @@ def connect_ray(address: str | None, node_ip_address: str = "127.0.0.1", dashboa
             # this when first imported, so it only helps before that (as in `hybridserve serve`)
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             kw["_node_ip_address"] = node_ip_address
-        ray.init(address=address, log_to_driver=False, configure_logging=False, **kw)
+        # a fixed namespace: a restarted driver finds the running cluster's controller by name
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False, **kw)
         log.info("joined the Ray cluster at %s", address)
         return "joined"
     start_local_ray(num_cpus, node_ip_address, dashboard_host)

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ConfigError, ServeConfig, load_config
@@ -62,11 +62,16 @@ class Server:
     autoscaler: object | None = None
     embedded_ray: bool = False
     closed: bool = False
+    frontdoors: list = field(default_factory=list)  # extra front-door actors (cluster.num_frontends > 1)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        for door in self.frontdoors:
+            import ray
+
+            ray.kill(door)
         if self.autoscaler is not None:
             self.autoscaler.stop()
         self.backend.shutdown()
@@ -96,7 +101,7 @@ def build_backend(config: ServeConfig, model_dir: str):
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from cache_service.router import RouterConfig
-    from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler
+    from cluster.autoscaler import AutoscalerConfig
     from cluster.cluster_backend import BackendConfig, ClusterBackend
     from cluster.ray_cluster import connect_ray
 
@@ -107,12 +112,10 @@ def build_backend(config: ServeConfig, model_dir: str):
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,
                             transfer_cost_per_token=r.transfer_cost_per_token),
-        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank))
-    autoscaler = ReplicaAutoscaler(backend, AutoscalerConfig(
-        c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
-        c.warm_prefixes))
-    autoscaler.start()
-    return backend, autoscaler, how == "embedded"
+        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name,
+        autoscaler=AutoscalerConfig(c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s,
+                                    c.autoscale_interval_s, c.warm_prefixes)))
+    return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 
 def build_app(config: ServeConfig) -> Server:
@@ -134,7 +137,15 @@ def build_app(config: ServeConfig) -> Server:
     except Exception:
         Server(None, backend, autoscaler, embedded).close()
         raise
-    return Server(app, backend, autoscaler, embedded)
+    server = Server(app, backend, autoscaler, embedded)
+    if config.cluster.backend == "ray" and config.cluster.num_frontends > 1:  # see cluster.frontdoors
+        from cluster.frontdoors import start_frontdoors
+
+        server.frontdoors = start_frontdoors(
+            config.cluster.num_frontends - 1, model_dir, backend.engine_config, backend.config, config.http.host,
+            config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
+            model_name=config.model.served_model_name, chat_template=config.model.chat_template)
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,7 @@ class EngineRunner:
         self._stop = threading.Event()
         self._ids = 0
         self._lock = threading.Lock()
+        self.on_step: Callable[[LLMEngine], None] | None = None  # on the loop after each step (events, load)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -149,6 +150,7 @@ class EngineRunner:
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished():
+                self._after_step()
                 continue
             try:
                 outputs = self.engine.step()
@@ -165,3 +167,11 @@ class EngineRunner:
                 stream.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
+            self._after_step()
+
+    def _after_step(self) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine)
+            except Exception:  # noqa: BLE001 - publishing must never stop serving
+                log.exception("on_step hook failed")

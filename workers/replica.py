@@ -1,12 +1,16 @@
-"""A replica as a Ray actor: one engine on its own loop thread, streaming each request's outputs
-back, reporting cache events, and moving prefix pages to / from its peers.
+"""A replica as a Ray actor: one engine on its own loop thread, streaming each request's tokens
+back in batched deltas, pushing its cache events once per step, and moving prefix pages to /
+from its peers.
 
-The actor is threaded (`max_concurrency`), so many requests stream at once and a transfer or an
-event drain never waits behind a request; every touch of the engine goes through its
-`EngineRunner`, which serialises it with the step loop.
+The actor is threaded, with one Ray concurrency group per kind of call, so a busy kind never
+starves another (150 long streams once occupied every thread and health checks timed out):
 
-Messages across this boundary are small dicts/dataclasses (`GenerateMsg` in, `RequestOutput`
-fields out) so that Ray never pickles engine state.
+    streams    generate_stream: one thread per stream in flight (up to `max_streams`)
+    control    health, ping, describe, abort, cache summaries, fault injection, shutdown
+    transfer   send_prefix / recv_prefix (they block on a peer)
+
+Every touch of the engine goes through its `EngineRunner`, which serialises it with the step
+loop. Messages across this boundary are in `workers.replica_messages`.
 """
 
 from __future__ import annotations
@@ -14,46 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+
+import ray
+
+from cache_service.messages import LoadReportMsg
+from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, TokenDeltaMsg
 
 log = logging.getLogger(__name__)
 
+CONCURRENCY_GROUPS = {"control": 8, "transfer": 4}  # + "streams": max_streams (see `actor_options`)
 
-@dataclass(frozen=True)
-class GenerateMsg:
-    prompt_token_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    cache_salt: str | None = None
-    request_id: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
 
-    @classmethod
-    def of(cls, prompt_token_ids, params, cache_salt: str | None = None, request_id: str | None = None):
-        return cls(list(prompt_token_ids), params.max_tokens, params.temperature, params.top_p, params.top_k,
-                   params.seed, tuple(params.stop_token_ids), params.ignore_eos, cache_salt, request_id,
-                   params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-                   params.min_tokens, params.logprobs)
-
-    def sampling_params(self):
-        from workers.engine.sampling import SamplingParams
-
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_tokens=self.min_tokens, logprobs=self.logprobs)
+def actor_options(max_streams: int) -> dict:
+    return {"concurrency_groups": {**CONCURRENCY_GROUPS, "streams": max_streams}}
 
 
 class ReplicaUnhealthyError(RuntimeError):
@@ -61,19 +39,20 @@ class ReplicaUnhealthyError(RuntimeError):
     controller drops it and serves the request elsewhere."""
 
 
-EVENT_FAULTS = ("drop", "reorder")
-
-
 class Replica:
-    """The actor body (wrapped with `ray.remote` by `cluster.cluster_backend`)."""
+    """The actor body (wrapped with `ray.remote` by `cluster.replica_set`)."""
 
     def __init__(self, replica_id: str, model_dir: str, engine_config, tp_size: int = 1,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", service_name: str | None = None, namespace: str | None = None,
+                 max_streams: int = 512, tp_actor_options: dict | None = None) -> None:
+        """`tp_actor_options`: Ray options of the TPWorker actors (ranks 1..n-1), e.g. their
+        placement group bundles."""
         import torch
 
         from cache_service.events import EventSink
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner
+        from workers.event_publisher import EventPublisher
 
         torch.set_num_threads(int(os.environ.get("HYBRIDSERVE_TORCH_THREADS", "1")))
         self.replica_id = replica_id
@@ -82,22 +61,50 @@ class Replica:
         if tp_size > 1:
             from workers.model.tensor_parallel import create_tp_engine
 
-            engine = create_tp_engine(model_dir, engine_config, tp_size, backend=backend, events=self.events)
+            engine = create_tp_engine(model_dir, engine_config, tp_size, backend=backend, events=self.events,
+                                      ray_actor_options=tp_actor_options)
         else:
             engine = LLMEngine.from_checkpoint(model_dir, engine_config, events=self.events)
-        self.runner = EngineRunner(engine)
+        self.runner = EngineRunner(engine, max_queued=max_streams)
+        self._num_accepted = 0
+        self.publisher = self.make_publisher(EventPublisher, service_name, namespace)
+        self.runner.on_step = self._after_step
+        self.publisher.start()
         self._broken: str | None = None  # why this replica cannot serve any more
-        self._event_fault: str | None = None  # fault injection: "drop" / "reorder" the next event batch
-        self.fault_fired_s: float | None = None  # time.time() when an injected fault took effect
+
+    def make_publisher(self, cls, service_name, namespace):
+        """The event publisher (a seam: test doubles return one that loses or reorders batches)."""
+        return cls(self.replica_id, self.events, self._snapshot_for_resync, service_name, namespace)
+
+    def _after_step(self, engine) -> None:
+        """On the loop thread after each step: the load as of now, and wake the publisher."""
+        sched = engine.scheduler
+        queued = 0
+        for req in (*sched.running, *sched.waiting):
+            queued += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+            queued += max(0, req.params.max_tokens - len(req.output_token_ids))
+        free = engine.cache.pools[0].num_free_blocks
+        self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
+
+    def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int]:
+        def take(engine):
+            self.events.take_batch()  # pending events are in the snapshot itself
+            return [list(p.cached) for p in engine.cache.pools], self.events.next_seq
+
+        return self.runner.call(take)
+
+    @ray.method(concurrency_group="control")
+    def attach_service(self, service_name: str, namespace: str | None = None) -> None:
+        """Push events to the named cache service from now on (a resync first if not from seq 0)."""
+        self.publisher.attach(service_name, namespace)
 
     # ---- health -------------------------------------------------------------------------------
+    @ray.method(concurrency_group="control")
     def health(self) -> str | None:
         """None while this replica can serve; else why not. With tp_size > 1: a TP rank's actor
         exited, or a step failed (the group is then out of step: the replica is unusable)."""
         serving = list(getattr(self.runner.engine.model, "tp_serving", ()))
         if self._broken is None and serving:
-            import ray
-
             done, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
             if done:
                 self._broken = f"{len(done)} tensor-parallel rank(s) exited"
@@ -108,16 +115,37 @@ class Replica:
             raise ReplicaUnhealthyError(f"{self.replica_id}: {self._broken}")
 
     # ---- requests ---------------------------------------------------------------------------
-    def generate_stream(self, msg: GenerateMsg) -> Iterator[dict]:
-        """A Ray streaming generator: every output (prefill chunks, tokens, the finished one).
-        Raises `ReplicaUnhealthyError` when this replica can no longer serve."""
+    @ray.method(concurrency_group="streams")
+    def generate_stream(self, msg: GenerateMsg) -> Iterator[TokenDeltaMsg]:
+        """A Ray streaming generator of token deltas: every output available when the caller's
+        previous item was produced is merged into one. Raises `ReplicaUnhealthyError` when this
+        replica can no longer serve."""
         from workers.engine.errors import InvalidRequestError, ServerOverloadedError
+        from workers.engine_runner import StreamEnd
 
         self._check_health()
+        sent = 0
         try:
-            for out in self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt,
-                                          msg.request_id):
-                yield asdict(out)
+            stream = self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt, msg.request_id)
+            self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
+            while True:
+                item = stream.get()
+                batch = []
+                while item is not None and not isinstance(item, StreamEnd):
+                    batch.append(item)
+                    if item.finished:
+                        break
+                    item = stream.get_nowait()
+                if batch:
+                    delta = TokenDeltaMsg.merge(batch, sent)
+                    sent += len(delta.new_token_ids)
+                    yield delta
+                    if delta.finished:
+                        return
+                if isinstance(item, StreamEnd):
+                    if item.error is not None:
+                        raise item.error
+                    return
         except (InvalidRequestError, ServerOverloadedError):
             raise
         except Exception as exc:
@@ -127,102 +155,49 @@ class Replica:
                 raise ReplicaUnhealthyError(f"{self.replica_id}: {self._broken}") from exc
             raise
 
+    @ray.method(concurrency_group="control")
     def abort(self, request_id: str) -> None:
         self.runner.abort(request_id)
 
     # ---- cache state --------------------------------------------------------------------------
-    def drain_events(self) -> tuple[str, list, int]:
-        """(replica id, pending events, the next seq read just before draining): every event below
-        that seq is in this batch or an earlier one, so a lost last batch shows as a shortfall."""
+    @ray.method(concurrency_group="control")
+    def cache_summary(self) -> tuple[list[int], int]:
+        """(cached entries per group, next event seq) at one instant on the engine loop:
+        verification compares it with what the cache service holds for this replica."""
         self._check_health()
-        next_seq = self.events.next_seq
-        return self.replica_id, self._drain(), next_seq
+        return self.runner.call(lambda engine: ([len(p.cached) for p in engine.cache.pools], self.events.next_seq))
 
-    def snapshot(self) -> tuple[list[list[bytes]], int]:
-        """All cached keys per group and the next event seq (a consistent resync point)."""
-        self._check_health()
+    @ray.method(concurrency_group="control")
+    def publisher_stats(self) -> dict:
+        return {"pushes": self.publisher.num_pushes, "resyncs": self.publisher.num_resyncs,
+                "epoch": self.publisher.epoch}
 
-        def take(engine):
-            return [list(p.cached) for p in engine.cache.pools], self.events.next_seq
-
-        return self.runner.call(take)
-
-    def drain_and_snapshot(self) -> tuple[list, list[list[bytes]], int]:
-        """Pending events + a snapshot taken at the same instant (verification: after applying those
-        events the cluster index must equal the snapshot)."""
-        self._check_health()
-
-        def take(engine):
-            return self._drain(), [list(p.cached) for p in engine.cache.pools], self.events.next_seq
-
-        return self.runner.call(take)
-
-    def _drain(self) -> list:
-        events = self.events.drain()
-        held, self._held_events = getattr(self, "_held_events", []), []
-        if held:  # a reordered single event arrives after newer ones
-            events += held
-        fault = self._event_fault
-        if fault == "drop" and events:
-            self._event_fault, self.fault_fired_s = None, time.time()
-            log.warning("fault injection: %s dropped %d cache events", self.replica_id, len(events))
-            return []
-        if fault == "reorder" and len(events) >= 2:
-            self._event_fault, self.fault_fired_s = None, time.time()
-            log.warning("fault injection: %s reordered %d cache events", self.replica_id, len(events))
-            return events[1:] + events[:1]
-        if fault == "reorder" and events:  # one event: hold it back behind the next batch
-            self._event_fault, self.fault_fired_s = None, time.time()
-            self._held_events = events
-            return []
-        return events
-
-    # ---- fault injection (tests, `python -m bench.faults`) -------------------------------------
-    def inject_event_fault(self, kind: str) -> None:
-        """Drop ("drop") or reorder ("reorder") the next event batch that has enough events."""
-        if kind not in EVENT_FAULTS:
-            raise ValueError(f"event fault must be one of {EVENT_FAULTS}, got {kind!r}")
-        self._event_fault, self.fault_fired_s = kind, None
-
-    def evict_cached(self) -> int:
-        """Evict every cached page not in use right now (as memory pressure would). Returns how many."""
-        def evict(engine):
-            n = 0
-            for pool in engine.cache.pools:
-                n += sum(pool.evict(key) for key in list(pool.cached))
-            return n
-
-        n = self.runner.call(evict)
-        self.fault_fired_s = time.time()
-        return n
-
+    @ray.method(concurrency_group="control")
     def tp_workers(self) -> list:
         """Handles of this replica's TPWorker actors (ranks 1..n-1), e.g. to kill one."""
         return list(getattr(self.runner.engine.model, "tp_workers", ()))
 
-    def fault_time(self) -> float | None:
-        return self.fault_fired_s
-
     # ---- facts --------------------------------------------------------------------------------
-    def describe(self) -> dict:
+    @ray.method(concurrency_group="control")
+    def describe(self) -> ReplicaInfoMsg:
         """What the controller needs once: layout, EAGLE mode, fingerprint, limits, placement."""
-        import ray
-
         def facts(engine):
-            return {"groups": engine.cache.layout.describe(), "eagle": engine.cache.coordinator.eagle.value,
-                    "fingerprint": engine.config.model_fingerprint, "vocab_size": engine.vocab_size,
-                    "max_model_len": engine.config.max_model_len, "alignment": engine.cache.alignment}
+            layout = engine.cache.layout
+            return (tuple(layout.describe()), engine.cache.coordinator.eagle.value, engine.config.model_fingerprint,
+                    engine.vocab_size, engine.config.max_model_len, engine.cache.alignment, layout.hash_block_size)
 
-        info = self.runner.call(facts)
         ctx = ray.get_runtime_context()
-        return info | {"replica_id": self.replica_id, "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                       "node_ip": ray.util.get_node_ip_address(), "tp_size": self.tp_size}
+        return ReplicaInfoMsg(self.replica_id, *self.runner.call(facts), node_id=ctx.get_node_id(),
+                              node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), tp_size=self.tp_size)
 
+    @ray.method(concurrency_group="control")
     def ping(self) -> str:
         self._check_health()
         return self.replica_id
 
+    @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
+        self.publisher.stop()
         self.runner.shutdown()
         close = getattr(self.runner.engine.model, "close", None)  # TP: stops the TPWorker actors
         if close is not None:
@@ -237,12 +212,7 @@ class TransferMixin:
     replicas meet on it."""
 
     _transfer_secret = ""
-    _corrupt_next_send = False
-
-    def inject_transfer_fault(self) -> None:
-        """Fault injection: flip one byte of the next prefix this replica sends (after its checksum)."""
-        self._corrupt_next_send = True
-
+    @ray.method(concurrency_group="control")
     def set_transfer_secret(self, secret: str) -> None:
         self._transfer_secret = secret
 
@@ -253,10 +223,9 @@ class TransferMixin:
             self._store_host = None
         return self._channels
 
+    @ray.method(concurrency_group="control")
     def channel_endpoint(self) -> tuple[str, int]:
         """Host this replica's rendezvous store (once) and return its (ip, port)."""
-        import ray
-
         from workers.transfer_channel import StoreHost
 
         self._transfer_state()
@@ -284,12 +253,14 @@ class TransferMixin:
                                          backend=getattr(self, "transfer_backend", "gloo"))
         return channels[name]
 
+    @ray.method(concurrency_group="control")
     def drop_channel(self, peer_id: str) -> None:
         """Forget channels with `peer_id` (after a failed transfer or the peer's death)."""
         channels = self._transfer_state()
         for name in [n for n in channels if peer_id in n.split("#")[0].split("->")]:
             channels.pop(name, None)
 
+    @ray.method(concurrency_group="transfer")
     def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int,
                     peer_id: str, generation: int = 0) -> int:
         """`generation`: a new one after a failed transfer, so the new pair never meets the old one's
@@ -301,14 +272,17 @@ class TransferMixin:
         hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
                                     model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
         channel = self._channel(f"{self.replica_id}->{peer_id}#{generation}", 0, None)
-        corrupt, self._corrupt_next_send = self._corrupt_next_send, False
-        if corrupt:
-            self.fault_fired_s = time.time()
-        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop, corrupt=corrupt)
+        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
+                           corrupt=self.corrupt_this_send())
+
+    def corrupt_this_send(self) -> bool:
+        """Whether to flip a byte of this send after its checksum (a seam for test doubles)."""
+        return False
 
     def _on_loop(self, fn):
         return self.runner.call(lambda _engine: fn())
 
+    @ray.method(concurrency_group="transfer")
     def recv_prefix(self, peer_id: str, endpoint: tuple[str, int], generation: int = 0) -> int:
         from workers.transfer import recv_prefix
 

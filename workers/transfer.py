@@ -80,9 +80,8 @@ def export_prefix(
     size = cache.block_size
     if num_tokens <= 0 or num_tokens % cache.alignment:
         raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
-    # a dropping group (EAGLE drop) serves L only with its pages through L + A
-    reach = [num_tokens + (cache.alignment if g in cache.coordinator.dropping_groups else 0)
-             for g in range(len(cache.pools))]
+    # a dropping group (EAGLE drop) serves L only with the pages that prove the successor token
+    reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
     wanted: list[list[BlockHash]] = [
         [hashes.prefix_hash(num_tokens)] if g == MAMBA
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
@@ -206,8 +205,7 @@ def _chunk_nbytes(cache: EngineCacheManager, plan) -> list[int]:
 
 def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int) -> list[list[BlockHash]]:
     size = cache.block_size
-    reach = [num_tokens + (cache.alignment if g in cache.coordinator.dropping_groups else 0)
-             for g in range(len(cache.pools))]
+    reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
     return [
         [hashes.prefix_hash(num_tokens)] if g == MAMBA
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]

@@ -103,4 +103,47 @@ def test_equal_real_hits_break_ties_toward_the_attention_holder():
         index.apply(r.events.replica_id, r.events.drain())
     decision = Router(index, coord, RoutingPolicy.HYBRID).route(hashes.hashes, 1000, {"a": 0, "b": 0})
     assert decision.replica_id == "b" and decision.expected_hit_tokens == 0
-    assert {e.replica_id: e.attention_tokens for e in decision.estimates} == {"a": 0, "b": 640}  # in alignment units
+    assert {e.replica_id: e.attention_tokens for e in decision.estimates} == {"b": 640}  # in alignment units
+
+
+def test_equal_costs_break_by_load_then_at_random():
+    """An idle cluster spreads requests (not all to the first replica); a less loaded one wins a tie."""
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.LOSSLESS)
+    index = GlobalIndex(2)
+    for r in ("a", "b"):
+        index.add_replica(r)
+    router = Router(index, coord, RoutingPolicy.HYBRID, seed=3)
+    hashes = RequestBlockHashes(16, make_tokens(300, 6, 50))
+    picks = [router.route(hashes.hashes, 300, {"a": 0, "b": 0}).replica_id for _ in range(20)]
+    assert set(picks) == {"a", "b"}
+    assert picks != sorted(picks)  # not one replica then the other: a real draw
+    # nothing cached anywhere: the load decides (a has 1 queued token less)
+    assert {router.route(hashes.hashes, 300, {"a": 0, "b": 1}).replica_id for _ in range(10)} == {"a"}
+
+
+def test_pushed_batches_pack_one_record_per_block_and_skip_old_ones():
+    """A block stored in the full and the draft group travels as one record; a batch already in
+    a resync snapshot is skipped, a gap is refused until a chunked resync ends."""
+    from cache_service.events import EventSink
+
+    sink = EventSink("r0")
+    tokens = make_tokens(64, 1, 50)
+    hashes = RequestBlockHashes(16, tokens)
+    for g in (0, 2):
+        sink.stored(g, tuple(hashes.hashes[:2]))
+    sink.removed(0, (hashes.hashes[0],))
+    first, end, records = sink.take_batch()
+    assert (first, end) == (0, 3)
+    assert [(r.kind.name, r.group_mask) for r in records] == [("STORED", 0b101), ("STORED", 0b101), ("REMOVED", 1)]
+    index = GlobalIndex(3)
+    index.add_replica("r0")
+    assert not index.apply_batch("r0", first, end, records).needs_resync
+    assert index.replicas["r0"].num_entries == [1, 0, 2]
+    assert index.apply_batch("r0", 0, 3, records).num_applied == 0  # old: skipped, not a gap
+    assert index.apply_batch("r0", 5, 6, records).needs_resync  # events 3..4 lost
+    assert index.routable_replicas() == []
+    index.begin_resync("r0", "x")
+    assert index.resync_chunk("r0", "x", 0, [hashes.hashes[1]])
+    assert not index.resync_chunk("r0", "other", 2, [hashes.hashes[1]])  # a stale resync's chunk
+    assert index.end_resync("r0", "x", 6) and index.routable_replicas() == ["r0"]
+    assert index.replicas["r0"].num_entries == [1, 0, 0] and index.replicas["r0"].next_seq == 6

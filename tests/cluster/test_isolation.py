@@ -23,11 +23,21 @@ from workers.transfer_channel import PairChannel, StoreHost, channel_namespace
 GROUPS = ["full:16", "mamba:64", "draft:16"]
 
 
-def _service() -> CacheService:
-    service = CacheService(GROUPS, "lossless", "fp")
-    for r in ("r0", "r1"):
+def _service(queued: dict[str, int]) -> CacheService:
+    from cache_service.messages import LoadReportMsg
+
+    service = CacheService(GROUPS, "lossless", "fp", seed=0)
+    for r, tokens in queued.items():
         service.add_replica(r)
+        service.loads.report(r, LoadReportMsg(num_queued_tokens=tokens))
     return service
+
+
+def _route(service: CacheService, prompt: list[int], salt: str):
+    from cache_service.messages import RouteRequestMsg
+
+    h = RequestBlockHashes(service.layout.hash_block_size, prompt, model_fingerprint="fp", cache_salt=salt)
+    return service.route(RouteRequestMsg(tuple(h.hashes), len(prompt), salt, dry_run=True))
 
 
 def _hold(service: CacheService, replica: str, prompt: list[int], salt: str) -> None:
@@ -40,13 +50,13 @@ def _hold(service: CacheService, replica: str, prompt: list[int], salt: str) -> 
 
 def test_another_tenants_prefix_gives_no_hit_and_leaves_the_decision_unchanged():
     prompt, queued = make_prompt(700, 5), {"r0": 300, "r1": 0}
-    before = _service().route(prompt, "tenant-b", queued)
-    service = _service()
+    before = _route(_service(queued), prompt, "tenant-b")
+    service = _service(queued)
     _hold(service, "r0", prompt, "tenant-a")
-    after = service.route(prompt, "tenant-b", queued)
+    after = _route(service, prompt, "tenant-b")
     assert all(e.hit_tokens == 0 and e.attention_tokens == 0 for e in after.estimates)
     assert after == before and after.transfer is None
-    own = service.route(prompt, "tenant-a", queued)  # the control: A itself hits (r0 busy: a transfer)
+    own = _route(service, prompt, "tenant-a")  # the control: A itself hits (r0 busy: a transfer)
     assert own.expected_hit_tokens == 640 and own.transfer is not None and own.transfer.src_replica == "r0"
 
 
@@ -58,6 +68,15 @@ def test_salted_pages_are_disjoint_from_unsalted_and_other_tenants():
         return {h.prefix_hash(e) for e in range(16, 257, 16)}
 
     assert not keys("tenant-a") & keys("tenant-b") and not keys("tenant-a") & keys(None)
+
+
+def wait_until_indexed(backend, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while backend.index_problems():
+        assert time.monotonic() < deadline, backend.index_problems()
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +91,7 @@ def backend(tiny_dir):
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ri", dir="/tmp")
     start_local_ray(num_cpus=2)
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-    b = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=2, sync_interval_s=0))
+    b = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=2, health_interval_s=0))
     yield b
     b.shutdown()
     ray.shutdown()
@@ -85,19 +104,21 @@ def test_through_the_cluster_tenants_never_hit_each_other_and_routing_ignores_th
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompt = make_prompt(600, 9)
-    queued = {r: 0 for r in backend.replica_ids}
 
     def decision_for_b():
-        with backend._route_lock:
-            backend._sync()
-        return ray.get(backend.service.route.remote(prompt, "tenant-b", queued))
+        from cache_service.messages import RouteRequestMsg
+
+        wait_until_indexed(backend)  # every pushed event is in the index
+        msg = RouteRequestMsg(backend.routing.hashes(prompt, "tenant-b"), len(prompt), "tenant-b", dry_run=True)
+        return ray.get(backend.service.route.remote(msg))
 
     before = decision_for_b()
     a_cold, a_replica = backend.generate(prompt, params, cache_salt="tenant-a")
     a_warm, again = backend.generate(prompt, params, cache_salt="tenant-a")
     assert a_warm.num_cached_tokens == 576 and again == a_replica  # the control: A's own resend hits
     after = decision_for_b()
-    assert after == before and all(e.hit_tokens == 0 for e in after.estimates)
+    assert all(e.hit_tokens == 0 and e.attention_tokens == 0 for e in before.estimates + after.estimates)
+    assert backend.service_stats()["num_entries"] > 0  # A's blocks are indexed: B sees none of them
     for replica in backend.replica_ids:  # wherever another tenant lands (A's holder too): a cold prefill
         b_out, served = backend.generate(prompt, params, cache_salt=f"tenant-b-{replica}", replica_id=replica)
         assert served == replica and b_out.num_cached_tokens == 0 and b_out.token_ids == a_cold.token_ids

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from bench.fault_doubles import kill_cache_service
 from cluster.config import load_config
 from tests.cluster.test_frontend_http import serve_app
 from tests.conftest import make_prompt
@@ -83,7 +84,7 @@ def test_replicas_live_on_different_nodes(served):
 
     nodes = {r["node_id"] for r in server.backend.stats()["replicas"].values()}
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    assert len(nodes) == 2, (nodes, alive, server.backend._spread(2))
+    assert len(nodes) == 2, (nodes, alive, server.backend.replicas.spread(2))
 
 
 def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
@@ -118,7 +119,7 @@ def test_killing_the_cache_service_under_http_traffic_loses_nothing(served):
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    server.backend.kill_cache_service()
+    kill_cache_service(server.backend)
     for t in threads:
         t.join(timeout=120)
     assert results == cold  # every request completed, byte-identical
@@ -139,7 +140,7 @@ def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
         list(s)
     new = event.replica_id
     warm, served_by = backend.generate(hot, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=new)
-    assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold
+    assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold, backend.counters
     time.sleep(0.6)
     scaler.step()  # starts the idle clock if needed
     time.sleep(0.6)

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from bench.fault_doubles import kill_cache_service, kill_replica
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.sampling import SamplingParams
@@ -48,7 +49,7 @@ def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_se
         assert served == other and backend.counters["transfers"] == 1
         assert forced.token_ids == cold.token_ids and forced.num_cached_tokens == 576
         # kill the holder: the next request (forced there) is served by the survivor, nothing lost
-        backend.kill_replica(holder)
+        kill_replica(backend, holder)
         last, served = backend.generate(prompt, PARAMS, replica_id=holder)
         assert served == other and last.token_ids == cold.token_ids and last.num_cached_tokens == 576
         assert backend.replica_ids == [other]
@@ -65,7 +66,7 @@ def test_replica_killed_under_load_loses_no_request_and_outputs_match(ray_sessio
         cold = [backend.generate(p, params)[0].token_ids for p in prompts]
         streams = [backend.submit(p, params) for p in prompts]
         victim = backend.replica_ids[0]
-        killer = threading.Timer(0.3, backend.kill_replica, args=(victim,))
+        killer = threading.Timer(0.3, kill_replica, args=(backend, victim))
         killer.start()
         outs = [list(s) for s in streams]  # every accepted request completes
         killer.join()
@@ -85,7 +86,7 @@ def test_cache_service_death_routes_by_load_then_rebuilds_from_replicas(ray_sess
         prompt = make_prompt(600, 3)
         cold, holder = backend.generate(prompt, PARAMS)
         epoch = backend.service_stats()["epoch"]
-        backend.kill_cache_service()
+        kill_cache_service(backend)
         during, _ = backend.generate(make_prompt(200, 4), PARAMS)  # served while the service restarts
         assert during.finished
         import time

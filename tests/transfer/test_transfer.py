@@ -27,7 +27,7 @@ def test_transferred_prefix_is_a_local_hit_with_identical_output(tiny_model, eag
     src, dst = (make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle) for _ in range(2))
     prompt = make_prompt(500, 3)
     (cold,) = src.generate([prompt], PARAMS)
-    hit = 448 if eagle == "lossless" else 384
+    hit = 448  # R = floor(499 / 64) * 64; drop: the draft block [448, 464) proves the successor token
     header, payload = export_prefix(src.cache, _hashes(src, prompt), hit)
     assert import_prefix(dst.cache, header, payload) == sum(len(keys) for keys in header.keys)
     dst.cache.check_integrity()
@@ -150,7 +150,7 @@ def test_streamed_transfer_refuses_corruption_and_the_channel_stays_usable(tiny_
     src, dst = (make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle) for _ in range(2))
     prompt = make_prompt(500, 11)
     (cold,) = src.generate([prompt], PARAMS)
-    hit = 448 if eagle == "lossless" else 384
+    hit = 448  # R = floor(499 / 64) * 64; drop: the draft block [448, 464) proves the successor token
     for corrupt, expect in ((3, "checksum"), (None, None)):  # chunk #1 corrupted, then a clean resend
         send_end, recv_end = _pair(corrupt)
         sender = threading.Thread(target=send_prefix, args=(src.cache, _hashes(src, prompt), hit, send_end),

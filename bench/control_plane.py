@@ -1,0 +1,348 @@
+"""`python -m bench.control_plane`: the control plane at R = 8, 64, 256 replicas, as JSON and a table.
+
+Simulated replicas (`bench.sim_replicas`: real Ray actors answering from synthetic caches, each
+with the production event publisher) resync into a real cache-service actor and push churn
+while a front door routes prompts through it (asyncio, `concurrency` decisions in flight, each
+hashing its prompt and making one `route` call). Beside it, the same decisions in process
+(hash + `CacheService.route` on an index with the same content, no Ray).
+
+    decisions/s, p50/p99 ms     through Ray and in process, per R
+    growth                      per-decision cost at the largest R over the smallest
+    index bytes per 1M entries  tracemalloc around 1M resynced entries
+    resync s for 1M entries     in process, and through Ray (a simulated replica's chunked resync)
+    kill during resync          the service is killed during a 1M-entry resync: decisions keep
+                                coming (by load), and the replica's index is back afterwards
+    tiny requests               16 prompt tokens, 1 output token, concurrency 32: the Ray backend's
+                                requests/s over the in-process backend's (`--tiny`, needs the model)
+
+Targets: >= 1,000 decisions/s and p99 <= 10 ms at R = 64; growth 8 -> 256 under 3x; tiny >= 0.7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.sim_replicas import GROUPS, HASH_BLOCK, SimReplicaHost, document_hashes, synthetic_cache
+
+TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
+
+
+@dataclass(frozen=True)
+class PlaneConfig:
+    replicas: tuple[int, ...] = (8, 64, 256)
+    num_prefixes: int = 128
+    prompt_len: int = 2048
+    docs_per_replica: int = 8
+    entries_per_replica: int = 4000
+    decisions: int = 3000
+    concurrency: int = 32  # closed loop: the most decisions/s
+    paced_rate: float = 1000.0  # open loop: latency at this many decisions/s
+    num_hosts: int = 4  # actors hosting the simulated replicas
+    churn_blocks_per_s: int = 2000  # cluster-wide stored blocks per second during the measurement
+    resync_entries: int = 1_000_000
+    seed: int = 0
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _summary(latencies: list[float], wall_s: float) -> dict:
+    return {"decisions_per_s": round(len(latencies) / wall_s, 1),
+            "p50_ms": round(1e3 * statistics.median(latencies), 3), "p99_ms": round(1e3 * _pct(latencies, 0.99), 3)}
+
+
+def _prompts(config: PlaneConfig, docs_tokens: list[list[int]], rng: random.Random) -> list[tuple[list[int], None]]:
+    """Prompts sharing a document prefix (and a fresh tail)."""
+    out = []
+    for _ in range(config.decisions):
+        doc = docs_tokens[rng.randrange(len(docs_tokens))]
+        cut = rng.randrange(256, len(doc) + 1)
+        out.append((doc[:cut] + [rng.randrange(128_000) for _ in range(rng.randrange(1, 200))], None))
+    return out
+
+
+# ---- in process ------------------------------------------------------------------------------------
+def in_process(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
+    from cache_service.block_hash import RequestBlockHashes
+    from cache_service.messages import LoadReportMsg, RouteRequestMsg
+    from cache_service.service import CacheService
+
+    service = CacheService(list(GROUPS), "lossless", "", seed=config.seed)
+    rng = random.Random(config.seed)
+    for r in range(num_replicas):
+        rid = f"sim-{r}"
+        service.resync(rid, synthetic_cache(rng, docs, config.docs_per_replica, config.entries_per_replica), 0)
+        service.loads.report(rid, LoadReportMsg(rng.randrange(0, 4096)))
+    latencies = []
+    t_all = time.perf_counter()
+    for tokens, salt in prompts:
+        t0 = time.perf_counter()
+        hashes = RequestBlockHashes(HASH_BLOCK, tokens, cache_salt=salt).hashes
+        service.route(RouteRequestMsg(tuple(hashes), len(tokens), salt, 16))
+        latencies.append(time.perf_counter() - t0)
+    return _summary(latencies, time.perf_counter() - t_all) | {"entries": service.index.num_entries}
+
+
+# ---- through Ray -----------------------------------------------------------------------------------
+def _start(config: PlaneConfig, num_replicas: int, docs, name: str):
+    import ray
+
+    from cache_service.service import CacheService
+
+    ns = ray.get_runtime_context().namespace
+    service = ray.remote(CacheService).options(name=name, namespace=ns, num_cpus=0, max_restarts=-1).remote(
+        list(GROUPS), "lossless", "", "hybrid", None, config.seed)
+    ids = [f"sim-{r}" for r in range(num_replicas)]
+    host_cls = ray.remote(num_cpus=0)(SimReplicaHost)
+    hosts = [host_cls.remote(ids[h::config.num_hosts], docs, config.docs_per_replica, config.entries_per_replica,
+                             name, ns, config.seed + h) for h in range(config.num_hosts)]
+    ray.get([h.start.remote() for h in hosts])
+    deadline = time.monotonic() + 300
+    while sum(ray.get([h.num_resynced.remote() for h in hosts])) < num_replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError("simulated replicas did not resync within 300 s")
+        time.sleep(0.2)
+    return service, hosts
+
+
+def _decide(batcher):
+    """One front-door decision: hash the prompt, submit it to the route batcher, await the answer."""
+    from cache_service.block_hash import RequestBlockHashes
+    from cache_service.messages import RouteRequestMsg
+
+    async def decide(tokens, salt):
+        hashes = RequestBlockHashes(HASH_BLOCK, tokens, cache_salt=salt).hashes
+        return await asyncio.wrap_future(batcher.submit(RouteRequestMsg(tuple(hashes), len(tokens), salt, 16)))
+
+    return decide
+
+
+async def _route_all(decide, prompts, concurrency: int) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    queue = list(prompts)
+
+    async def worker():
+        while queue:
+            tokens, salt = queue.pop()
+            t0 = time.perf_counter()
+            await decide(tokens, salt)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - t0
+
+
+async def _route_paced(decide, prompts, rate: float) -> tuple[list[float], float]:
+    """Open loop: decision i is due at i / rate; its latency counts from then (no coordinated omission)."""
+    latencies: list[float] = []
+
+    async def one(tokens, salt, due):
+        await decide(tokens, salt)
+        latencies.append(time.perf_counter() - due)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for i, (tokens, salt) in enumerate(prompts):
+        due = t0 + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(tokens, salt, due)))
+    await asyncio.gather(*tasks)
+    return latencies, time.perf_counter() - t0
+
+
+def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
+    import ray
+
+    from cluster.routing_client import RouteBatcher
+
+    service, hosts = _start(config, num_replicas, docs, f"plane-{num_replicas}-{os.getpid()}")
+    batcher = RouteBatcher(lambda: service)
+    decide = _decide(batcher)
+    try:
+        asyncio.run(_route_all(decide, prompts[:200], config.concurrency))  # warm-up
+        step_s = 0.02
+        blocks = max(1, int(config.churn_blocks_per_s * step_s / config.num_hosts))
+        churn = [h.churn.remote(blocks, step_s, 3600) for h in hosts]
+        calls = batcher.num_calls
+        latencies, wall = asyncio.run(_route_all(decide, prompts, config.concurrency))
+        paced, paced_wall = asyncio.run(_route_paced(decide, prompts, config.paced_rate))
+        calls = batcher.num_calls - calls
+        for c in churn:
+            ray.cancel(c, force=False)
+        stats = ray.get(service.stats.remote())
+        at_rate = _summary(paced, paced_wall)
+        return _summary(latencies, wall) | {
+            f"at_{config.paced_rate:.0f}_per_s": {"achieved_per_s": at_rate["decisions_per_s"],
+                                                  "p50_ms": at_rate["p50_ms"], "p99_ms": at_rate["p99_ms"]},
+            "decisions_per_call": round(2 * len(prompts) / calls, 1),
+            "entries": stats["num_entries"], "batches_pushed": stats["batches"]}
+    finally:
+        for h in hosts:
+            ray.kill(h)
+        ray.kill(service)
+
+
+# ---- memory and resync ---------------------------------------------------------------------------------
+def index_memory(num_entries: int) -> dict:
+    from cache_service.global_index import GlobalIndex
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    keys = [os.urandom(16) for _ in range(num_entries)]  # the keys live in the index (they arrive with events)
+    index = GlobalIndex(3)
+    index.begin_resync("r", "m")
+    third = num_entries // 3
+    for g, part in enumerate((keys[:third], keys[third: 2 * third], keys[2 * third:])):
+        index.resync_chunk("r", "m", g, part)
+    del keys  # the list itself is not index memory; the key objects stay referenced by the index
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return {"bytes_per_entry_incl_keys": round(used / num_entries, 1),
+            "mib_per_1m_entries": round(used / num_entries * 1e6 / 2**20, 1)}
+
+
+def resync_in_process(num_entries: int) -> float:
+    from cache_service.global_index import GlobalIndex
+
+    keys = [os.urandom(16) for _ in range(num_entries)]
+    index = GlobalIndex(3)
+    t0 = time.perf_counter()
+    index.begin_resync("r", "x")
+    for i in range(0, num_entries, 65536):
+        index.resync_chunk("r", "x", 0, keys[i: i + 65536])
+    index.end_resync("r", "x", 0)
+    return time.perf_counter() - t0
+
+
+def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) -> dict:
+    """One simulated replica with `resync_entries` entries resyncs through Ray; with `kill_midway`
+    the service is killed during it while a front door keeps routing (by load when it must)."""
+    import ray
+
+    from cluster.routing_client import RoutingClient
+    from workers.replica_messages import GenerateMsg
+
+    name = f"plane-resync-{kill_midway}-{os.getpid()}"
+    one = PlaneConfig(**{**asdict(config), "num_hosts": 1, "entries_per_replica": config.resync_entries})
+    service, (host,) = _start(one, 1, docs, name)
+    try:
+        out: dict = {}
+        if not kill_midway:
+            out["resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)
+            return out
+        client = RoutingClient(name, ray.get_runtime_context().namespace, HASH_BLOCK, "", timeout_s=2.0)
+        ray.get(host.stop.remote())  # this run drives the resync itself
+        resync = host.resync_one.remote("sim-0")
+        time.sleep(0.05)
+        ray.kill(service, no_restart=False)
+        t_kill = time.perf_counter()
+        try:
+            ray.get(resync)
+        except Exception as exc:  # noqa: BLE001 - the killed service refuses or drops the rest
+            out["first_resync"] = f"failed as expected ({type(exc).__name__})"
+        decided = 0
+        for tokens, salt in prompts[:50]:
+            target, _ = client.route(GenerateMsg(tokens, cache_salt=salt), {"sim-0": 0})
+            decided += target == "sim-0"
+        out["decisions_while_down"] = decided
+        out["recovered_resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)  # the replica retries
+        stats = ray.get(service.stats.remote())
+        out["entries_after"] = stats["replicas"]["sim-0"]["entries"]
+        out["stale_after"] = stats["replicas"]["sim-0"]["stale"]
+        out["recovery_s"] = round(time.perf_counter() - t_kill, 2)
+        out["router_counters"] = client.counters
+        return out
+    finally:
+        ray.kill(host)
+        ray.kill(service)
+
+
+# ---- all of it ----------------------------------------------------------------------------------------------
+def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
+    from cache_service.simulate import make_tokens
+    from cluster.ray_cluster import start_local_ray
+
+    rng = random.Random(config.seed)
+    docs_tokens = [make_tokens(config.prompt_len, config.seed * 100_003 + d, 128_000)
+                   for d in range(config.num_prefixes)]
+    docs = document_hashes(config.num_prefixes, config.prompt_len, config.seed)
+    prompts = _prompts(config, docs_tokens, rng)
+    report: dict = {"config": asdict(config), "routing": {}}
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rp", dir="/tmp"))
+    start_local_ray(num_cpus=2)
+    for r in config.replicas:
+        report["routing"][r] = {"in_process": in_process(config, r, docs, prompts),
+                                "ray": through_ray(config, r, docs, prompts)}
+        print(f"R={r}: {report['routing'][r]}", file=sys.stderr)
+    lo, hi = min(config.replicas), max(config.replicas)
+    for kind in ("in_process", "ray"):
+        a, b = report["routing"][lo][kind], report["routing"][hi][kind]
+        report.setdefault("growth", {})[kind] = round(a["decisions_per_s"] / b["decisions_per_s"], 2)
+    report["index_memory"] = index_memory(config.resync_entries)
+    report["resync_1m"] = {"in_process_s": round(resync_in_process(config.resync_entries), 2),
+                           **resync_through_ray(config, docs, prompts, kill_midway=False)}
+    report["kill_during_resync"] = resync_through_ray(config, docs, prompts, kill_midway=True)
+    if tiny:
+        from bench.tiny_requests import tiny_requests
+
+        report["tiny_requests"] = tiny_requests(model_dir, 400, 32)
+    return report
+
+
+def format_table(report: dict) -> str:
+    rate = report["config"]["paced_rate"]
+    rows = [f"{'R':>5}{'ray max dec/s':>15}{f'at {rate:.0f}/s p50 ms':>18}{'p99 ms':>8}"
+            f"{'inproc dec/s':>14}{'p50 ms':>8}{'p99 ms':>8}", "-" * 76]
+    for r, v in report["routing"].items():
+        a, b = v["ray"], v["in_process"]
+        paced = a[f"at_{rate:.0f}_per_s"]
+        rows.append(f"{r:>5}{a['decisions_per_s']:>15}{paced['p50_ms']:>18}{paced['p99_ms']:>8}"
+                    f"{b['decisions_per_s']:>14}{b['p50_ms']:>8}{b['p99_ms']:>8}")
+    rows.append(f"cost growth (R min -> max): {report['growth']}")
+    rows.append(f"index memory: {report['index_memory']}")
+    rows.append(f"resync of 1M entries: {report['resync_1m']}")
+    rows.append(f"service killed during a 1M-entry resync: {report['kill_during_resync']}")
+    if "tiny_requests" in report:
+        rows.append(f"tiny requests (16 in, 1 out, concurrency 32): {report['tiny_requests']}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", default="8,64,256", help="comma-separated R values")
+    p.add_argument("--decisions", type=int, default=PlaneConfig.decisions)
+    p.add_argument("--resync-entries", type=int, default=PlaneConfig.resync_entries)
+    p.add_argument("--no-tiny", action="store_true", help="skip the tiny-request comparison (needs the model)")
+    p.add_argument("--model", default=TINY_TRAINED)
+    p.add_argument("--out", default="bench-control-plane.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    config = PlaneConfig(replicas=tuple(int(x) for x in args.replicas.split(",")), decisions=args.decisions,
+                         resync_entries=args.resync_entries)
+    report = run_all(config, not args.no_tiny, args.model)
+    print(format_table(report))
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(f"report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Every message across the cache-service boundary (front doors <-> service <-> replicas).
+
+Small frozen dataclasses, never engine state, never tuples or dicts of loose fields:
+
+    front door --RouteRequestMsg-->      service --RouteDecision-->            front door
+    replica    --EventBatchMsg-->        service --IngestReplyMsg-->           replica
+    replica    --ResyncChunkMsg...-->    service --IngestReplyMsg-->           replica
+
+An `EventBatchMsg` is one engine step's cache events (or several, when the previous push was
+still in flight) with its sequence range `[first_seq, end_seq)` and the replica's own load.
+Events for one block of every group travel as one `BlockRecord` (a bitmask of groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from cache_service.block_hash import BlockHash
+
+
+class RecordKind(IntEnum):
+    STORED = 0
+    REMOVED = 1
+    CLEARED = 2  # every block of the groups in `group_mask`; `block_hash` is None
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    kind: RecordKind
+    block_hash: BlockHash | None
+    group_mask: int  # bit g set: the event concerns group g
+
+
+@dataclass(frozen=True)
+class LoadReportMsg:
+    """A replica's own view of its load (several front doors see the same picture)."""
+
+    num_queued_tokens: int = 0  # prompt tokens still to prefill + output tokens still to decode
+    num_requests: int = 0  # accepted, unfinished
+    num_free_blocks: int = 0  # attention blocks free or evictable
+    num_accepted: int = 0  # requests accepted since start (monotonic: which routed ones arrived)
+
+
+@dataclass(frozen=True)
+class EventBatchMsg:
+    replica_id: str
+    first_seq: int
+    end_seq: int  # exclusive: the batch covers events [first_seq, end_seq)
+    records: tuple[BlockRecord, ...]
+    load: LoadReportMsg = LoadReportMsg()
+
+
+@dataclass(frozen=True)
+class IngestReplyMsg:
+    accepted: bool  # False: the replica must resync (a gap, or a service that does not know it)
+    next_seq: int  # the seq the service expects next from this replica
+    service_epoch: str
+
+
+@dataclass(frozen=True)
+class ResyncChunkMsg:
+    """One piece of a chunked resync. `first` starts it (clearing the replica's entries); `last`
+    ends it, after which the replica's events continue at `next_seq`. Between the first and the
+    last chunk the replica is routed by load only."""
+
+    replica_id: str
+    resync_id: str
+    group_id: int
+    keys: tuple[BlockHash, ...]
+    next_seq: int
+    first: bool = False
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class RouteRequestMsg:
+    """What a front door sends to route one request: the prompt's block hashes (salt already
+    folded into the chain's root), the salt itself (for sharding and logs) and the prompt length."""
+
+    block_hashes: tuple[BlockHash, ...]
+    num_prompt_tokens: int
+    cache_salt: str | None = None
+    num_output_tokens: int = 0  # max_tokens: counted in the chosen replica's pending load
+    forced_replica: str | None = None  # route here if it is alive (tests, warm-up)
+    exclude: tuple[str, ...] = ()  # replicas that just failed this request
+    dry_run: bool = False  # estimates only (warming a replica): no load is booked
+
+
+@dataclass(frozen=True)
+class ReplicaEstimate:
+    replica_id: str
+    hit_tokens: int  # what this policy believes the replica would hit
+    cost: float
+    attention_tokens: int = 0  # matched attention blocks there (tokens): the tie-break
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    src_replica: str
+    dst_replica: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """`estimates` lists the chosen replica and every replica with a nonzero hit (others: 0)."""
+
+    replica_id: str
+    policy: str
+    expected_hit_tokens: int
+    estimates: tuple[ReplicaEstimate, ...]
+    transfer: TransferPlan | None = None
+    load_only: bool = False  # no usable index entry decided it (stale replica, restarted service)
+
+    def hit_on(self, replica_id: str) -> int:
+        return next((e.hit_tokens for e in self.estimates if e.replica_id == replica_id), 0)

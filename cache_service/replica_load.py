@@ -1,0 +1,80 @@
+"""Each replica's load as the cache service sees it: the replica's own last report plus the work
+routed to it since that the report cannot include yet.
+
+Replicas report (`messages.LoadReportMsg`) with every pushed event batch, at least every
+heartbeat. Between two reports a burst of decisions would all see the same stale number and
+herd onto one replica, so every decision adds its cost to the chosen replica's `pending` list;
+a report saying the replica has accepted k more requests retires the k oldest pending entries
+(their work is now in the reported queue). Entries older than `pending_ttl_s` are dropped so a
+request that never arrived (its front door died) does not count forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cache_service.messages import LoadReportMsg
+
+
+@dataclass
+class _Load:
+    report: LoadReportMsg = field(default_factory=LoadReportMsg)
+    pending: deque = field(default_factory=deque)  # (time, tokens) routed, not yet in a report
+    pending_tokens: int = 0
+
+
+class LoadBook:
+    def __init__(self, pending_ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pending_ttl_s = pending_ttl_s
+        self.clock = clock
+        self._loads: dict[str, _Load] = {}
+        self.current: dict[str, int] = {}  # replica -> queued tokens (report + pending), kept up to date
+        self._next_expiry = 0.0
+
+    def report(self, replica_id: str, report: LoadReportMsg) -> None:
+        load = self._loads.setdefault(replica_id, _Load())
+        arrived = max(0, report.num_accepted - load.report.num_accepted)
+        for _ in range(min(arrived, len(load.pending))):
+            load.pending_tokens -= load.pending.popleft()[1]
+        load.report = report
+        self.current[replica_id] = report.num_queued_tokens + load.pending_tokens
+
+    def add_pending(self, replica_id: str, tokens: int) -> None:
+        load = self._loads.setdefault(replica_id, _Load())
+        load.pending.append((self.clock(), tokens))
+        load.pending_tokens += tokens
+        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+
+    def view(self) -> dict[str, int]:
+        """`current`, after dropping expired pending entries (checked at most every 0.1 s)."""
+        now = self.clock()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 0.1
+            for r in [r for r, load in self._loads.items() if load.pending]:
+                self.queued_tokens(r)
+        return self.current
+
+    def queued_tokens(self, replica_id: str) -> int:
+        load = self._loads.get(replica_id)
+        if load is None:
+            return 0
+        horizon = self.clock() - self.pending_ttl_s
+        while load.pending and load.pending[0][0] < horizon:
+            load.pending_tokens -= load.pending.popleft()[1]
+        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+        return self.current[replica_id]
+
+    def num_requests(self, replica_id: str) -> int:
+        load = self._loads.get(replica_id)
+        return 0 if load is None else load.report.num_requests + len(load.pending)
+
+    def forget(self, replica_id: str) -> None:
+        self._loads.pop(replica_id, None)
+        self.current.pop(replica_id, None)
+
+    def snapshot(self) -> dict[str, dict]:
+        return {r: {"queued_tokens": self.queued_tokens(r), "requests": self.num_requests(r),
+                    "free_blocks": load.report.num_free_blocks} for r, load in self._loads.items()}

@@ -1,0 +1,46 @@
+"""Every message across the controller-actor boundary (front doors <-> the detached controller).
+
+    front door --membership()-->           <--MembershipMsg: the replicas (handles, facts, draining)
+    front door --report_failure(id, why)-> the controller checks and purges (stops) the replica
+    front door --note_hot(HotPrefixMsg...)  the prompts it served, to warm new replicas with
+    front door --transfer(TransferMsg)-->  <--bool: pages moved (one transfer per pair at a time,
+                                           whichever front door asks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.replica_messages import ReplicaInfoMsg
+
+
+@dataclass(frozen=True)
+class ReplicaEntryMsg:
+    replica_id: str
+    actor: object  # the replica's Ray actor handle
+    info: ReplicaInfoMsg
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class MembershipMsg:
+    version: int  # changes whenever a replica joins, drains or leaves
+    replicas: tuple[ReplicaEntryMsg, ...]
+    service_name: str
+    namespace: str | None
+
+
+@dataclass(frozen=True)
+class HotPrefixMsg:
+    prompt_token_ids: tuple[int, ...]  # the prompt up to its last aligned boundary + 1
+    cache_salt: str | None
+    num_uses: int
+
+
+@dataclass(frozen=True)
+class TransferMsg:
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None
+    src_replica: str
+    dst_replica: str
+    num_tokens: int

@@ -1,0 +1,99 @@
+"""Pushed event batches end to end in process: a replica's publisher (the production class, its
+service call pointed at an in-process `CacheService`) keeps the index equal to the replica's
+cache through lost batches and a restarted service, resyncing in chunks while routing goes on by
+load; one record per block for all groups."""
+
+from cache_service import EagleMode, EventSink, HybridCoordinator, LocalPrefixCache, RequestBlockHashes
+from cache_service.messages import RouteRequestMsg
+from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.service import CacheService
+from cache_service.simulate import make_tokens, run_request
+from tests.cache_service.helpers import make_layout
+from workers.event_publisher import EventPublisher
+
+GROUPS = ["full:16", "mamba:64", "draft:16"]
+
+
+class InProcessPublisher(EventPublisher):
+    """The production publisher; only its transport is a direct call (and can lose a batch)."""
+
+    lose_next = False
+
+    def call_service(self, method, msg):
+        if method == "ingest" and self.lose_next and msg.records:
+            self.lose_next = False
+            return self.call_service("ingest", type(msg)(msg.replica_id, msg.end_seq, msg.end_seq, (), msg.load))
+        return getattr(self.service, method)(msg)
+
+
+def make_replica(name="r0", chunk_size=7):
+    coord = HybridCoordinator(make_layout(*GROUPS), EagleMode.DROP)
+    cache = LocalPrefixCache(coord, [400, 40, 400], EventSink(name))
+    planner = CheckpointPlanner(coord, make_retention("latest", 64))
+
+    def snapshot():
+        cache.events.take_batch()
+        return [list(p.cached) for p in cache.pools], cache.events.next_seq
+
+    pub = InProcessPublisher(name, cache.events, snapshot, chunk_size=chunk_size)
+    return cache, planner, pub
+
+
+def index_matches(service, cache, name="r0"):
+    state = service.index.replicas[name]
+    held = [{k for k, v in h.items() if v >> state.bit & 1} for h in service.index.holders]
+    return not state.stale and held == [set(p.cached) for p in cache.pools]
+
+
+def test_batches_keep_the_index_equal_through_a_lost_batch_and_a_restarted_service():
+    cache, planner, pub = make_replica()
+    pub.service = CacheService(GROUPS, "drop", "", seed=0)
+    pub.service.add_replica("r0")
+    prompts = [make_tokens(300 + 50 * i, i % 2, 50) for i in range(8)]
+    for i, tokens in enumerate(prompts):
+        run_request(cache, planner, tokens, None, explain=False)
+        pub.lose_next = i == 3
+        pub.push_once()  # one engine step's events
+        assert index_matches(pub.service, cache), i
+    assert pub.num_resyncs == 1  # the lost batch was seen as a gap and repaired
+    records = pub.service.counters["records"]
+    pub.service = CacheService(GROUPS, "drop", "", seed=0)  # restarted: it lost everything
+    run_request(cache, planner, prompts[0], None, explain=False)
+    pub.push_once()
+    assert pub.num_resyncs == 2 and index_matches(pub.service, cache)
+    assert records > 0
+
+
+def test_a_resync_in_progress_routes_the_replica_by_load_only():
+    cache, planner, pub = make_replica(chunk_size=5)
+    service = pub.service = CacheService(GROUPS, "drop", "", seed=0)
+    tokens = make_tokens(640, 3, 50)
+    run_request(cache, planner, tokens, None, explain=False)
+    pub.push_once()
+    hashes = RequestBlockHashes(16, tokens)
+    msg = RouteRequestMsg(tuple(hashes.hashes), 640, None, 0, dry_run=True)
+    assert service.route(msg).expected_hit_tokens > 0 and not service.route(msg).load_only
+    sent = []
+    real = service.resync_chunk
+
+    def spy(chunk):  # look at routing between the chunks
+        sent.append(service.route(msg))
+        return real(chunk)
+
+    service.resync_chunk = spy
+    pub.request_resync()
+    pub.push_once()
+    assert len(sent) > 2  # chunked
+    assert all(d.replica_id == "r0" and d.expected_hit_tokens == 0 for d in sent[1:])  # load only meanwhile
+    assert sent[-1].load_only
+    assert service.route(msg).expected_hit_tokens > 0 and index_matches(service, cache)
+
+
+def test_one_record_per_block_for_all_groups_on_the_wire():
+    cache, planner, pub = make_replica()
+    tokens = make_tokens(400, 1, 50)
+    run_request(cache, planner, tokens, None, explain=False)
+    first, end, records = cache.events.take_batch()
+    stored = [r for r in records if r.kind.name == "STORED"]
+    assert len({r.block_hash for r in stored}) == len(stored)  # full and draft share each block's record
+    assert any(r.group_mask == 0b101 for r in stored) and end - first > len(records)
