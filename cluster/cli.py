@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cluster.serve", "serve the OpenAI-compatible API: `serve MODEL` with vllm serve's flags, or a config"),
     "generate": ("workers.generate", "run prompts through one engine (cold, then warm with --repeat 2)"),
     "train-tiny": ("workers.train.train_tiny", "train the tiny hybrid checkpoint shipped in configs/models"),
+    "simulate": ("cache_service.trace_sim.cli", "replay a Mooncake trace through R simulated replicas"),
     "loadtest": ("cluster.loadtest", "drive a server with seeded workloads; TTFT cold vs warm, hit rates, --compare"),
 }
 

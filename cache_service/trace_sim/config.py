@@ -1,0 +1,100 @@
+"""Simulation configs: a model's cache layout with page bytes, and a cost model, both loaded
+from YAML (`configs/sim/layouts.yaml`, `configs/sim/cost.yaml`) and validated on load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cache_service.specs import CacheLayout, SpecError, parse_group_spec
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
+
+
+class SimConfigError(ValueError):
+    """A simulation layout or cost model is missing or invalid."""
+
+
+@dataclass(frozen=True)
+class SimLayout:
+    name: str
+    layout: CacheLayout
+    page_bytes: tuple[int, ...]  # per group: one block / one state page
+
+    def pool_blocks(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
+        """Blocks per group for a replica with `budget_bytes` of cache memory: attention groups
+        share (1 - mamba_fraction) with one block each per token range; state groups the rest."""
+        groups = self.layout.groups
+        attn = [i for i, g in enumerate(groups) if g.is_attention]
+        state = [i for i, g in enumerate(groups) if not g.is_attention]
+        attn_bytes = budget_bytes * (1.0 - mamba_fraction if state else 1.0)
+        state_bytes = budget_bytes - attn_bytes
+        num_attn = int(attn_bytes // sum(self.page_bytes[i] for i in attn)) if attn else 0
+        num_state = int(state_bytes // sum(self.page_bytes[i] for i in state)) if state else 0
+        out = tuple(num_attn if g.is_attention else num_state for g in groups)
+        if min(out) < 2:
+            raise SimConfigError(
+                f"layout {self.name}: {budget_bytes} bytes with mamba_fraction {mamba_fraction} "
+                f"gives {out} blocks per group; every group needs at least 2"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    prefill_tokens_per_s: float
+    prefill_overhead_s: float
+    decode_step_s: float
+    transfer_bytes_per_s: float
+
+    def prefill_s(self, num_tokens: int) -> float:
+        return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
+
+    def decode_s(self, num_output_tokens: int) -> float:
+        return num_output_tokens * self.decode_step_s
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise SimConfigError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise SimConfigError(f"{path}: expected a mapping of names")
+    return data
+
+
+def load_layout(name: str, path: Path | None = None) -> SimLayout:
+    path = path or CONFIG_DIR / "layouts.yaml"
+    data = _read(path)
+    if name not in data:
+        raise SimConfigError(f"unknown layout {name!r}; {path} has {sorted(data)}")
+    try:
+        groups = data[name]["groups"]
+        specs = tuple(parse_group_spec(g["spec"]) for g in groups)
+        pages = tuple(int(g["page_bytes"]) for g in groups)
+    except (KeyError, TypeError, SpecError) as exc:
+        raise SimConfigError(f"{path}: layout {name!r}: {exc}") from None
+    if any(p <= 0 for p in pages):
+        raise SimConfigError(f"{path}: layout {name!r}: page_bytes must be positive")
+    return SimLayout(name, CacheLayout(specs), pages)
+
+
+def load_cost_model(name: str, path: Path | None = None) -> CostModel:
+    path = path or CONFIG_DIR / "cost.yaml"
+    data = _read(path)
+    if name not in data:
+        raise SimConfigError(f"unknown cost model {name!r}; {path} has {sorted(data)}")
+    entry = data[name]
+    fields = ("prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "transfer_bytes_per_s")
+    try:
+        values = {f: float(entry[f]) for f in fields}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SimConfigError(f"{path}: cost model {name!r}: missing or bad field {exc}") from None
+    if values["prefill_tokens_per_s"] <= 0 or values["transfer_bytes_per_s"] <= 0:
+        raise SimConfigError(f"{path}: cost model {name!r}: throughputs must be positive")
+    if values["prefill_overhead_s"] < 0 or values["decode_step_s"] < 0:
+        raise SimConfigError(f"{path}: cost model {name!r}: times must be >= 0")
+    return CostModel(name, **values)

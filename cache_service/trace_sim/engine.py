@@ -1,0 +1,154 @@
+"""The simulated-time loop: each trace request, in arrival order, is routed, looks up the chosen
+replica's real cache, queues its prefill of the tokens it recomputes, and publishes its blocks
+and snapshots (retention + junctions) when that prefill ends.
+
+    now = arrival
+    publish every prefill that finished by now      (events -> global index)
+    choice  = policy(hashes, queues, now)           (the real Router for hybrid & co.)
+    [transfer holder -> choice: pages stored on the destination, time added to its prefill]
+    hit     = coordinator over the replica's pools  (the same code a worker runs)
+    TTFT    = queue wait + prefill(N - hit) [+ transfer];  finish = TTFT + decode(output)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.coordinator import HybridCoordinator
+from cache_service.global_index import GlobalIndex
+from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.trace_sim.config import CostModel, SimLayout
+from cache_service.trace_sim.policies import make_policy
+from cache_service.trace_sim.replica import PrefillQueue, SimReplica
+from cache_service.trace_sim.trace import TraceRequest
+from cache_service.trace_sim.value_retention import parse_value_retention
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    layout: SimLayout
+    cost: CostModel
+    num_replicas: int
+    policy: str
+    budget_bytes: int  # cache memory per replica (KV + Mamba state)
+    retention: str = "latest"  # latest, dense, an interval, or value:BYTES (value_retention.py)
+    eagle: str = "off"
+    mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
+        if not 0.0 < self.mamba_fraction < 1.0:
+            raise ValueError(f"--mamba-fraction must be in (0, 1), got {self.mamba_fraction}")
+        if self.budget_bytes <= 0:
+            raise ValueError("--memory-gib must be positive")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    index: int
+    arrival_s: float
+    replica: int
+    input_tokens: int
+    output_tokens: int
+    hit_tokens: int
+    attention_match_tokens: int
+    transfer_tokens: int
+    ttft_s: float
+    finish_s: float
+
+
+class ClusterSim:
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        layout = settings.layout.layout
+        self.coordinator = HybridCoordinator(layout, settings.eagle)
+        pages = settings.layout.page_bytes
+        self._state_bytes = sum(p for g, p in zip(layout.groups, pages) if not g.is_attention)
+        self.value_retention = parse_value_retention(settings.retention, self._state_bytes)
+        retention = self.value_retention or make_retention(settings.retention, layout.alignment)
+        self.planner = CheckpointPlanner(self.coordinator, retention)
+        self.index = GlobalIndex(len(layout.groups))
+        ids = [f"r{i:03d}" for i in range(settings.num_replicas)]
+        self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
+                                  settings.cost.prefill_tokens_per_s, settings.seed)
+        self.queues = [PrefillQueue() for _ in ids]
+        if self.policy.shared_cache:
+            blocks = settings.layout.pool_blocks(settings.budget_bytes * settings.num_replicas, settings.mamba_fraction)
+            shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None)
+            self.caches = [shared] * len(ids)
+        else:
+            blocks = settings.layout.pool_blocks(settings.budget_bytes, settings.mamba_fraction)
+            self.caches = [SimReplica(r, self.coordinator, self.planner, blocks, self.index) for r in ids]
+        self.num_blocks_per_group = blocks
+        self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
+        self._seq = itertools.count()
+        groups = layout.groups
+        self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
+
+    def _publish_until(self, now: float) -> None:
+        pending = self._pending
+        while pending and pending[0][0] <= now:
+            _, _, replica, hashes, num_tokens, junctions = heapq.heappop(pending)
+            self.caches[replica].publish(hashes, num_tokens, junctions)
+
+    def step(self, req: TraceRequest) -> RequestRecord:
+        now = req.arrival_s
+        self._publish_until(now)
+        tokens = req.tokens()
+        hashes = RequestBlockHashes(self.coordinator.layout.hash_block_size, tokens)
+        n = len(tokens)
+        choice = self.policy.choose(hashes.hashes, n, self.queues, now)
+        cache = self.caches[choice.replica]
+        transfer_s = 0.0
+        num_moved = 0
+        if choice.transfer_src is not None:  # move only what the source really holds
+            num_moved = min(choice.transfer_tokens, self.caches[choice.transfer_src].lookup(hashes, n).hit_tokens)
+        if num_moved:
+            cache.receive_transfer(hashes, num_moved)
+            moved = num_moved * self._attention_bytes_per_token + self._state_bytes
+            transfer_s = moved / self.settings.cost.transfer_bytes_per_s
+        hit = cache.lookup(hashes, n)
+        cache.touch_hit(hashes, hit.hit_tokens)
+        if self.value_retention is not None:
+            self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
+        cost = self.settings.cost
+        first, finish = self.queues[choice.replica].admit(
+            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length),
+            n - hit.hit_tokens + req.output_length)
+        junctions = self.coordinator.junctions(hit)
+        heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
+        return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
+                             hit.attention_match_tokens, num_moved, first - now, finish)
+
+    def run(self, requests: Iterable[TraceRequest],
+            on_step: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+        records = []
+        for req in requests:
+            record = self.step(req)
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+        self._publish_until(float("inf"))
+        return records
+
+    def memory_split(self) -> dict[str, int]:
+        """Cached bytes at the end, attention KV vs recurrent state, summed over distinct caches."""
+        groups = self.coordinator.layout.groups
+        kv = state = 0
+        for cache in {id(c): c for c in self.caches}.values():
+            for g, size in zip(groups, cache.cached_bytes(self.settings.layout.page_bytes)):
+                if g.is_attention:
+                    kv += size
+                else:
+                    state += size
+        return {"kv_bytes": kv, "state_bytes": state}
+
+
+def record_dict(record: RequestRecord) -> dict:
+    return asdict(record)

@@ -1,0 +1,125 @@
+"""Routing policies of the simulation. `hybrid`, `attention_overlap` and `round_robin` are the
+real `Router` over the real `GlobalIndex`; the others are defined here on the same index views:
+
+    power_of_two               two replicas drawn at random (seeded), the less loaded one
+    ray_serve_prefix_affinity  Ray Serve LLM's PrefixCacheAffinityRouter as documented: if the
+                               in-flight request counts differ by more than `imbalanced_threshold`
+                               (10) go least loaded; else the highest prefix match if its match
+                               rate is >= `match_rate_threshold` (0.1); else least loaded. Its
+                               prefix tree matches prompt text, i.e. attention overlap here.
+    oracle                     one cache with the memory of all replicas (no routing question);
+                               compute goes to the least-loaded replica
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache_service.block_hash import BlockHash
+from cache_service.coordinator import HybridCoordinator
+from cache_service.global_index import GlobalIndex
+from cache_service.router import Router, RouterConfig, RoutingPolicy
+from cache_service.trace_sim.replica import PrefillQueue
+
+POLICY_NAMES = (
+    "hybrid", "attention_overlap", "round_robin", "power_of_two", "ray_serve_prefix_affinity", "oracle",
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: int
+    transfer_src: int | None = None  # a transfer planned by the hybrid router
+    transfer_tokens: int = 0
+
+
+class SimPolicy(ABC):
+    name: str
+    shared_cache = False
+
+    def __init__(self, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
+                 tokens_per_s: float, seed: int = 0) -> None:
+        self.index = index
+        self.coordinator = coordinator
+        self.replica_ids = list(replica_ids)
+        self.position = {r: i for i, r in enumerate(self.replica_ids)}
+        self.tokens_per_s = tokens_per_s
+        self.rng = random.Random(seed)
+
+    def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
+        """The load the live cluster's router sees: tokens reserved by in-flight requests."""
+        return {r: q.reserved_tokens(now) for r, q in zip(self.replica_ids, queues)}
+
+    @staticmethod
+    def least_loaded(queues: Sequence[PrefillQueue], now: float, candidates: Sequence[int]) -> int:
+        return min(candidates, key=lambda i: (queues[i].reserved_tokens(now), i))
+
+    @abstractmethod
+    def choose(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+               queues: Sequence[PrefillQueue], now: float) -> Choice: ...
+
+
+class RouterPolicy(SimPolicy):
+    """The cluster's own Router (hybrid may plan a transfer)."""
+
+    def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = policy.value
+        self.router = Router(self.index, self.coordinator, policy, RouterConfig())
+
+    def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
+        decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
+        plan = decision.transfer
+        if plan is None:
+            return Choice(self.position[decision.replica_id])
+        return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
+
+
+class PowerOfTwo(SimPolicy):
+    name = "power_of_two"
+
+    def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
+        n = len(queues)
+        pair = self.rng.sample(range(n), 2) if n > 1 else [0]
+        return Choice(self.least_loaded(queues, now, pair))
+
+
+class RayServePrefixAffinity(SimPolicy):
+    name = "ray_serve_prefix_affinity"
+    imbalanced_threshold = 10
+    match_rate_threshold = 0.1
+
+    def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
+        everyone = range(len(queues))
+        counts = [q.num_in_flight(now) for q in queues]
+        if max(counts) - min(counts) > self.imbalanced_threshold:
+            return Choice(min(everyone, key=lambda i: (counts[i], i)))
+        find = self.coordinator.find_longest_hit
+        matches = [find(hashes, num_prompt_tokens, self.index.view(r), False).attention_match_tokens
+                   for r in self.replica_ids]
+        best = max(matches)
+        if best and best / num_prompt_tokens >= self.match_rate_threshold:
+            return Choice(min((i for i in everyone if matches[i] == best), key=lambda i: (counts[i], i)))
+        return Choice(min(everyone, key=lambda i: (counts[i], i)))
+
+
+class Oracle(SimPolicy):
+    name = "oracle"
+    shared_cache = True
+
+    def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
+        return Choice(self.least_loaded(queues, now, range(len(queues))))
+
+
+def make_policy(name: str, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
+                tokens_per_s: float, seed: int = 0) -> SimPolicy:
+    args = (index, coordinator, replica_ids, tokens_per_s, seed)
+    if name in ("hybrid", "attention_overlap", "round_robin"):
+        return RouterPolicy(*args, policy=RoutingPolicy(name))
+    table = {"power_of_two": PowerOfTwo, "ray_serve_prefix_affinity": RayServePrefixAffinity, "oracle": Oracle}
+    if name not in table:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return table[name](*args)

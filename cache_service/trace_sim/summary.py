@@ -1,0 +1,55 @@
+"""The summary of one simulated run: hit tokens, modeled TTFT percentiles, load balance."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from cache_service.trace_sim.engine import ClusterSim, RequestRecord
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) -> dict:
+    s = sim.settings
+    ttft = [r.ttft_s for r in records]
+    num_input = sum(r.input_tokens for r in records)
+    num_hit = sum(r.hit_tokens for r in records)
+    per_replica = Counter(r.replica for r in records)
+    counts = [per_replica.get(i, 0) for i in range(s.num_replicas)]
+    mean = sum(counts) / len(counts)
+    return {
+        "policy": s.policy,
+        "layout": s.layout.name,
+        "cost_model": s.cost.name,
+        "num_replicas": s.num_replicas,
+        "retention": s.retention,
+        "eagle": s.eagle,
+        "budget_bytes_per_replica": s.budget_bytes,
+        "mamba_fraction": s.mamba_fraction,
+        "num_blocks_per_group": list(sim.num_blocks_per_group),
+        "num_requests": len(records),
+        "num_input_tokens": num_input,
+        "num_hit_tokens": num_hit,
+        "hit_rate": num_hit / num_input if num_input else 0.0,
+        "num_transfer_tokens": sum(r.transfer_tokens for r in records),
+        "ttft_s": {
+            "mean": sum(ttft) / len(ttft) if ttft else 0.0,
+            "p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+        },
+        "requests_per_replica": {
+            "max": max(counts), "min": min(counts), "max_over_mean": max(counts) / mean if mean else 0.0,
+        },
+        "memory_at_end": sim.memory_split(),
+        "num_skipped_blocks": sum(c.num_skipped_blocks for c in {id(c): c for c in sim.caches}.values()),
+        "wall_s": wall_s,
+        "simulated_requests_per_s": len(records) / wall_s if wall_s > 0 else 0.0,
+    }

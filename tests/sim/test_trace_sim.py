@@ -1,0 +1,163 @@
+"""Trace-driven simulation: exact hits on hand-built traces, publication timing, eviction,
+junctions, routing, oracle bounds on the shipped trace, the CLI and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from cache_service.specs import CacheLayout, parse_group_spec
+from cache_service.trace_sim.cli import DEFAULT_TRACE, main
+from cache_service.trace_sim.config import CostModel, SimLayout, load_cost_model, load_layout
+from cache_service.trace_sim.engine import ClusterSim, SimSettings
+from cache_service.trace_sim.policies import POLICY_NAMES
+from cache_service.trace_sim.trace import TraceError, TraceRequest, load_trace
+
+COST = CostModel("test", prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, decode_step_s=0.01,
+                 transfer_bytes_per_s=1e12)
+LAYOUT = SimLayout("test", CacheLayout((parse_group_spec("full:64"), parse_group_spec("mamba:64"))), (1000, 4000))
+
+
+def make_request(index: int, arrival_s: float, hash_ids: list[int], input_length: int | None = None) -> TraceRequest:
+    n = len(hash_ids) * 512 if input_length is None else input_length
+    return TraceRequest(index, arrival_s, n, 4, tuple(hash_ids))
+
+
+def make_sim(policy: str = "hybrid", replicas: int = 2, budget: int = 10**8, retention: str = "latest") -> ClusterSim:
+    return ClusterSim(SimSettings(LAYOUT, COST, replicas, policy, budget, retention=retention, mamba_fraction=0.5))
+
+
+def test_tokens_follow_hash_ids_and_cut_the_last_block():
+    a = make_request(0, 0.0, [3, 7], 600).tokens()
+    b = make_request(1, 0.0, [3, 8], 1024).tokens()
+    assert len(a) == 600 and len(b) == 1024
+    assert a[:512] == b[:512] and a[512] != b[512]
+    assert a[0] == 3 * 512 + 1
+
+
+def test_shared_prefix_hits_exactly_the_published_blocks_and_ttft_follows():
+    sim = make_sim()
+    first = sim.step(make_request(0, 0.0, [0, 1]))  # 1024 tokens: snapshots at 960 and 1024
+    second = sim.step(make_request(1, 10.0, [0, 1, 2]))
+    assert first.hit_tokens == 0 and first.ttft_s == pytest.approx(1.024)
+    assert second.hit_tokens == 1024 and second.replica == first.replica
+    assert second.ttft_s == pytest.approx(0.512)  # (1536 - 1024) tokens at 1000 tokens/s
+    resend = sim.step(make_request(2, 20.0, [0, 1]))
+    assert resend.hit_tokens == 960  # the replay boundary floor(1023 / 64) * 64
+
+
+def test_nothing_hits_before_the_prefill_that_stores_it_ends():
+    sim = make_sim(replicas=1)
+    sim.step(make_request(0, 0.0, [0, 1]))  # prefill ends at 1.024 s
+    early = sim.step(make_request(1, 0.5, [0, 1, 2]))
+    assert early.hit_tokens == 0
+    assert early.ttft_s == pytest.approx(1.024 - 0.5 + 1.536)  # queued behind the first prefill
+
+
+def test_round_robin_misses_what_the_hybrid_router_finds():
+    sim = make_sim("round_robin")
+    sim.step(make_request(0, 0.0, [0, 1]))
+    second = sim.step(make_request(1, 10.0, [0, 1, 2]))
+    assert second.replica == 1 and second.hit_tokens == 0
+
+
+def test_eviction_in_the_real_pools_loses_the_prefix():
+    # 17 KV blocks (16 usable + null) and 5 state pages: one 1024-token request fits, two do not
+    tight = make_sim(replicas=1, budget=2 * 17_000)
+    tight.step(make_request(0, 0.0, [0, 1]))
+    tight.step(make_request(1, 10.0, [5, 6]))
+    assert tight.step(make_request(2, 20.0, [0, 1])).hit_tokens == 0
+    roomy = make_sim(replicas=1)
+    roomy.step(make_request(0, 0.0, [0, 1]))
+    roomy.step(make_request(1, 10.0, [5, 6]))
+    assert roomy.step(make_request(2, 20.0, [0, 1])).hit_tokens == 960
+
+
+def test_a_junction_snapshot_lets_the_next_sibling_hit_and_routing_finds_it():
+    sim = make_sim("hybrid", replicas=2)
+    a = sim.step(make_request(0, 0.0, [0, 1, 2]))
+    b = sim.step(make_request(1, 10.0, [0, 1, 5]))  # matches 1024 tokens of KV, no snapshot there
+    c = sim.step(make_request(2, 20.0, [0, 1, 7]))
+    assert (a.hit_tokens, b.hit_tokens) == (0, 0)
+    assert b.attention_match_tokens == 1024 and b.replica == a.replica
+    assert c.hit_tokens == 1024 and c.replica == b.replica
+
+
+def test_oracle_bounds_every_policy_on_the_shipped_trace():
+    requests = load_trace(DEFAULT_TRACE, limit=300)
+    assert len(requests) == 300 and requests[0].input_length == 40160
+    layout = load_layout("nemotron-nano-9b-v2")
+    hits = {}
+    for policy in POLICY_NAMES:
+        sim = ClusterSim(SimSettings(layout, load_cost_model("gpu"), 4, policy, 20 * 2**30))
+        hits[policy] = sum(r.hit_tokens for r in sim.run(requests))
+    assert hits["oracle"] > 0
+    assert all(hits["oracle"] >= h for h in hits.values()), hits
+    assert hits["round_robin"] < hits["oracle"]
+
+
+def test_cli_writes_summary_and_parquet(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+             {"timestamp": 10000, "input_length": 1536, "output_length": 3, "hash_ids": [0, 1, 2]}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out, parquet, plot = tmp_path / "s.json", tmp_path / "r.parquet", tmp_path / "p.png"
+    rc = main(["--trace", str(trace), "--replicas", "2", "--policy", "all", "--memory-gib", "1",
+               "--out", str(out), "--parquet", str(parquet), "--plot", str(plot), "--no-progress"])
+    assert rc == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads(out.read_text())["policies"]
+    assert summary["hybrid"]["num_hit_tokens"] == 1024 and summary["oracle"]["num_hit_tokens"] == 1024
+    assert summary["round_robin"]["num_hit_tokens"] == 0 and summary["hybrid"]["hit_tokens_vs_oracle"] == 1.0
+    table = pq.read_table(parquet).to_pylist()
+    assert len(table) == 2 * len(POLICY_NAMES)
+    assert [r["hit_tokens"] for r in table if r["policy"] == "hybrid"] == [0, 1024]
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0]}) + "\n")
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: 1 hash ids for 1024 tokens"):
+        load_trace(bad)
+    assert main(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert main(["--trace", str(bad), "--layout", "nope", "--no-progress"]) == 2
+    assert main(["--trace", str(bad), "--policy", "nope", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "trace file not found" in err and "unknown policy 'nope'" in err
+
+
+@pytest.mark.parametrize(("eagle", "expected"), [("off", 1024), ("lossless", 1024), ("drop", 960)])
+def test_eagle_mode_reaches_the_simulated_hit(eagle, expected):
+    # drop (lookahead): 1024 needs the block [1024, 1088) cached to prove the successor token; it
+    # is not (the second request's third block differs), so the hit lands on the snapshot at 960
+    sim = ClusterSim(SimSettings(LAYOUT, COST, 1, "hybrid", 10**8, eagle=eagle, mamba_fraction=0.5))
+    sim.step(make_request(0, 0.0, [0, 1]))
+    assert sim.step(make_request(1, 10.0, [0, 1, 2])).hit_tokens == expected
+
+
+@pytest.mark.parametrize(("name", "expected", "resend_hit"), [
+    # 30 GiB / 1 MiB; 10 GiB / 72,769,536 B. Resend of 3,072 tokens with EAGLE drop: the replay
+    # boundary floor(3071/64)*64 = 3008, and the lookahead block [3008, 3072) is cached
+    ("nemotron-nano-9b-v2", (30720, 147), 3008),
+    ("nemotron-3-moe-mtp", (70217, 430, 70217), 3008),  # 30 GiB / (393,216 + 65,536 B); 10 GiB / 24,965,120 B
+    ("glm-like-seed", (30720, 142, 142, 142), 2304),  # 10 GiB / (3 x 25,165,824 B); A = 2304, block [2304, 2368) cached
+])
+def test_shipped_layouts_size_pools_from_page_bytes(name, expected, resend_hit):
+    layout = load_layout(name)
+    assert layout.pool_blocks(40 * 2**30, 0.25) == expected
+    sim = ClusterSim(SimSettings(layout, COST, 1, "hybrid", 40 * 2**30, eagle="drop"))
+    sim.step(make_request(0, 0.0, [0, 1, 2, 3, 4, 5]))
+    assert sim.step(make_request(1, 10.0, [0, 1, 2, 3, 4, 5])).hit_tokens == resend_hit
+
+
+def test_load_is_the_clusters_reservation_held_until_the_request_finishes():
+    sim = make_sim("hybrid", replicas=2)
+    a = sim.step(make_request(0, 0.0, [0, 1]))  # reserves 1024 + 4 tokens until 1.024 + 0.04 s
+    assert sim.queues[a.replica].reserved_tokens(0.5) == 1028
+    b = sim.step(make_request(1, 0.5, [5, 6]))  # no shared prefix: the idle replica wins
+    assert b.replica != a.replica
+    assert sim.queues[a.replica].reserved_tokens(1.064) == 0 and sim.queues[a.replica].num_in_flight(1.064) == 0
+
+
