@@ -11,12 +11,12 @@ import threading
 
 import ray
 
-from cluster.replica_set import ReplicaHandle
+from cluster.replica_set import ReplicaHandle, ReplicaTable
 
 MEMBERSHIP_TIMEOUT_S = 30.0
 
 
-class MembershipView:
+class MembershipView(ReplicaTable):
     def __init__(self, controller) -> None:
         self.controller = controller
         self.version = -1
@@ -45,14 +45,3 @@ class MembershipView:
         with self._lock:
             self.replicas.pop(replica_id, None)
 
-    def get(self, replica_id: str) -> ReplicaHandle | None:
-        return self.replicas.get(replica_id)
-
-    @property
-    def ids(self) -> list[str]:
-        with self._lock:
-            return sorted(self.replicas)
-
-    def routable(self) -> list[str]:
-        with self._lock:
-            return sorted(r for r, rep in self.replicas.items() if not rep.draining)

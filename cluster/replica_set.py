@@ -40,7 +40,27 @@ class ReplicaHandle:
     missed_health_checks: int = 0
 
 
-class ReplicaSet:
+class ReplicaTable:
+    """Read access to a `replicas` dict guarded by `_lock` (the controller's `ReplicaSet` and a
+    front door's `MembershipView` both hold one)."""
+
+    replicas: dict[str, ReplicaHandle]
+    _lock: threading.RLock
+
+    def get(self, replica_id: str) -> ReplicaHandle | None:
+        return self.replicas.get(replica_id)
+
+    @property
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self.replicas)
+
+    def routable(self) -> list[str]:
+        with self._lock:
+            return sorted(r for r, rep in self.replicas.items() if not rep.draining)
+
+
+class ReplicaSet(ReplicaTable):
     def __init__(self, model_dir: str, engine_config, config, service_name: str, namespace: str | None,
                  secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
         """`config`: the backend config (replica resources, TP size, streams per replica).
@@ -191,19 +211,7 @@ class ReplicaSet:
                     purged.append(rep.replica_id)
         return purged
 
-    # ---- views ------------------------------------------------------------------------------
-    def get(self, replica_id: str) -> ReplicaHandle | None:
-        return self.replicas.get(replica_id)
-
-    @property
-    def ids(self) -> list[str]:
-        with self._lock:
-            return sorted(self.replicas)
-
-    def routable(self) -> list[str]:
-        with self._lock:
-            return sorted(r for r, rep in self.replicas.items() if not rep.draining)
-
+    # ---- views: get / ids / routable (ReplicaTable) --------------------------------------------
     def shutdown(self) -> None:
         with self._lock:
             reps = list(self.replicas.values())

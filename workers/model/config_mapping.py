@@ -18,17 +18,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.model.config import NOT_NEMOTRON_FIELDS
+from workers.model.config import _BLOCK_TYPE_TO_CHAR, NOT_NEMOTRON_FIELDS
 from workers.model.errors import ConfigError, UnsupportedLayerError
 
-_BLOCK_TYPE_TO_CHAR = {
-    "linear_attention": "M",
-    "mamba": "M",
-    "full_attention": "*",
-    "attention": "*",
-    "mlp": "-",
-    "moe": "E",
-}
 _NEMOTRON_ALIASES = {
     "mamba_n_groups": "n_groups",
     "mamba_d_conv": "conv_kernel",
