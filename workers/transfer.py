@@ -69,8 +69,13 @@ def _group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
     return [t for layer in sorted(caches.draft_kv) for t in caches.draft_kv[layer]]
 
 
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes for the checksum (a host copy when the pages live on a GPU)."""
+    return memoryview((t if t.device.type == "cpu" else t.cpu()).numpy())
+
+
 def _checksum(payload: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(memoryview(payload.numpy()))
+    return xxhash.xxh3_64_hexdigest(_host_bytes(payload))
 
 
 def export_prefix(
@@ -268,7 +273,7 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
                 chunk[0] ^= 0xFF
             in_flight.append(channel.isend(chunk))  # all posted at once: the wire never waits on us
         for chunk in chunks:  # checksummed while the sends are on the wire (pages are pinned)
-            digest.update(memoryview(chunk.numpy()))
+            digest.update(_host_bytes(chunk))
         for work in in_flight:
             work.wait()
         trailer = torch.frombuffer(bytearray(digest.hexdigest().encode()), dtype=torch.uint8)
@@ -331,10 +336,11 @@ def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: in
                 view = _rows_view(tensors[group][ti], dst)
                 if view is not None:
                     return view, True
-        return torch.empty(nbytes, dtype=torch.uint8), False
+        device = tensors[plan[k][0]][plan[k][1]].device if error is None else "cpu"
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), False  # beside its pages
 
     def absorb(k: int, buf: torch.Tensor, in_place: bool) -> None:
-        digest.update(memoryview(buf.numpy()))
+        digest.update(_host_bytes(buf))
         if error is not None or in_place:
             return
         group, ti, a, b = plan[k]

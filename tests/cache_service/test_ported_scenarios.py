@@ -116,3 +116,68 @@ def test_mamba_align_mode_hits_land_on_state_boundaries(n, expected):
     """vLLM's mamba cache mode `align` keeps states only at multiples of the mamba block size and
     caps the hit below the last token: full:16 + mamba:64 resends hit floor((N-1)/64)*64."""
     assert resend_hits(["full:16", "mamba:64"], n)[0] == expected
+
+
+# ---- SGLang test_mamba_radix_cache match semantics (CHUNK = 64 <-> our mamba:64) --------------
+def sglang_cache():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"))
+    planner = CheckpointPlanner(coord, make_retention("latest", coord.alignment))
+    return coord, planner, LocalPrefixCache(coord, [400, 400])
+
+
+def lookup(cache, tokens):
+    return cache.lookup(RequestBlockHashes(16, tokens), len(tokens))
+
+
+def test_sglang_n_minus_1_lookup_after_identical_prompt_lands_on_the_safe_boundary():
+    """SGLang: the lookup is capped at input_len - 1; with no earlier checkpoint the hit is 0.
+    Ours: a 64-token prompt keeps its state at 64 (final boundary), the resend's cap is 63 -> 0."""
+    _, planner, cache = sglang_cache()
+    prompt = make_tokens(64, 1, 1000)
+    run_request(cache, planner, prompt, None, explain=False)
+    assert lookup(cache, prompt).hit_tokens == 0
+
+
+def test_sglang_checkpoint_does_not_block_matches_that_continue_past_it():
+    """SGLang: a lookup covering the whole checkpointed edge resumes there. Ours: a 65-token
+    prompt extending the 64-token one hits the state at 64."""
+    _, planner, cache = sglang_cache()
+    prompt = make_tokens(65, 1, 1000)
+    run_request(cache, planner, prompt[:64], None, explain=False)
+    assert lookup(cache, prompt).hit_tokens == 64
+
+
+def test_sglang_match_never_returns_past_the_deepest_checkpoint():
+    """SGLang: checkpoints at CHUNK and CHUNK + 30, lookup of CHUNK + 29 -> CHUNK. Ours too: the
+    attention match runs to 80, but the deepest state at or below the cap is 64."""
+    coord, planner, cache = sglang_cache()
+    tokens = make_tokens(94, 2, 1000)
+    run_request(cache, planner, tokens[:64], None, explain=False)
+    run_request(cache, planner, tokens, None, explain=False)
+    hit = lookup(cache, tokens[:93])
+    assert (hit.hit_tokens, hit.prefix_match_tokens) == (64, 80)
+    # SGLang re-tracks a state at the chunk-aligned boundary (64); ours already hits there, so no
+    # junction is needed (a junction is recorded only when a later lookup could land above the hit)
+    assert coord.junctions(hit) == ()
+
+
+def test_sglang_shared_prefix_divergence_below_one_unit_reuses_nothing():
+    """SGLang: two requests share an edge without a checkpoint: the shared part is not reused.
+    Ours: 40 shared tokens are less than one alignment unit (64): no hit, no junction."""
+    coord, planner, cache = sglang_cache()
+    shared = make_tokens(40, 3, 1000)
+    run_request(cache, planner, shared + make_tokens(60, 4, 1000), None, explain=False)
+    second = run_request(cache, planner, shared + make_tokens(60, 5, 1000), None, explain=False)
+    assert second.hit.hit_tokens == 0 and second.junctions == ()
+    assert lookup(cache, shared + make_tokens(60, 6, 1000)).hit_tokens == 0
+
+
+def test_sglang_full_match_returns_kv_through_the_last_checkpoint():
+    """SGLang returns all CHUNK + 30 tokens on a full match (KV through the last checkpoint). Ours
+    is 64 on purpose: the last prompt token is always recomputed (cap N - 1 = 93) and hits are
+    multiples of the alignment (64), where a Mamba state exists."""
+    _, planner, cache = sglang_cache()
+    tokens = make_tokens(94, 2, 1000)
+    run_request(cache, planner, tokens[:64], None, explain=False)
+    run_request(cache, planner, tokens, None, explain=False)
+    assert lookup(cache, tokens).hit_tokens == 64

@@ -58,7 +58,8 @@ class EngineCacheManager:
         if speculative:
             self.pools.append(BlockPool(num_kv_blocks, DRAFT, self.events))
         self.lookup_view = PoolLookup(self.pools)
-        self.sidecar = torch.zeros(num_kv_blocks, hidden_size)  # [blocks, hidden] target h at block end - 1
+        # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
+        self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
         self.num_snapshots_skipped = 0
 
     @property
