@@ -26,9 +26,11 @@ from cache_service.specs import CacheLayout, parse_group_spec
 
 class CacheService:
     def __init__(self, groups: list[str], eagle: str, model_fingerprint: str, policy: str = "hybrid",
-                 router_config: RouterConfig | None = None, seed: int | None = None) -> None:
+                 router_config: RouterConfig | None = None, seed: int | None = None,
+                 drop_rule: str = "lookahead") -> None:
+        """`drop_rule`: the replicas' engine setting, so routing predicts the hits they will find."""
         self.layout = CacheLayout(tuple(parse_group_spec(g) for g in groups))
-        self.coordinator = HybridCoordinator(self.layout, eagle)
+        self.coordinator = HybridCoordinator(self.layout, eagle, drop_rule=drop_rule)
         self.fingerprint = model_fingerprint
         self.index = GlobalIndex(len(self.layout.groups))
         self.epoch = uuid.uuid4().hex  # a new value after every (Ray) restart: state rebuilt from replicas

@@ -51,7 +51,8 @@ class ClusterController:
         first = next(iter(self.replicas.replicas.values())).info
         self.service = ray.remote(CacheService).options(
             name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(list(first.groups), first.eagle, first.fingerprint, config.policy, config.router)
+        ).remote(list(first.groups), first.eagle, first.fingerprint, config.policy, config.router,
+                 drop_rule=engine_config.drop_rule)
         ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
         self.replicas.attach_all()
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)

@@ -97,3 +97,26 @@ def test_one_record_per_block_for_all_groups_on_the_wire():
     stored = [r for r in records if r.kind.name == "STORED"]
     assert len({r.block_hash for r in stored}) == len(stored)  # full and draft share each block's record
     assert any(r.group_mask == 0b101 for r in stored) and end - first > len(records)
+
+
+def test_the_service_predicts_with_the_replicas_drop_rule():
+    """Routing must expect the hit the engine will find: a service built with the engines'
+    `drop_rule` predicts exactly the replica's own lookup under either rule."""
+    for rule in ("lookahead", "alignment"):
+        coord = HybridCoordinator(make_layout(*GROUPS), EagleMode.DROP, drop_rule=rule)
+        cache = LocalPrefixCache(coord, [400, 40, 400], EventSink("r0"))
+        planner = CheckpointPlanner(coord, make_retention("latest", 64))
+
+        def snapshot(cache=cache):
+            cache.events.take_batch()
+            return [list(p.cached) for p in cache.pools], cache.events.next_seq
+
+        pub = InProcessPublisher("r0", cache.events, snapshot)
+        pub.service = CacheService(GROUPS, "drop", "", seed=0, drop_rule=rule)
+        tokens = make_tokens(300, 9, 50)  # R = 256; the draft block [256, 272) lies inside 300 tokens
+        run_request(cache, planner, tokens, None, explain=False)
+        pub.push_once()
+        msg = RouteRequestMsg(tuple(RequestBlockHashes(16, tokens).hashes), 300, None, 0, dry_run=True)
+        expected = 256 if rule == "lookahead" else 192
+        assert cache.lookup(RequestBlockHashes(16, tokens), 300).hit_tokens == expected
+        assert pub.service.route(msg).expected_hit_tokens == expected
