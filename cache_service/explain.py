@@ -126,7 +126,7 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
         if coord.any_group_drops and coord.drop_rule is DropRule.LOOKAHEAD and hit:
             # the block each dropping group needed cached to prove the successor token at the hit
             out["lookahead_blocks"] = {
-                str(g): [hit, hit + layout.groups[g].block_size] for g in sorted(coord.dropping_groups)
+                str(g): [hit, coord.serving_extent(g, hit)] for g in sorted(coord.dropping_groups)
             }
     return out
 

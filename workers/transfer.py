@@ -329,15 +329,15 @@ def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: in
 
     def target(k: int, nbytes: int) -> tuple[torch.Tensor, bool]:
         """Where chunk k lands: straight into its destination pages if possible, else a buffer."""
-        if error is None:
-            group, ti, a, b = plan[k]
-            dst = [dst_of[group].get(i) for i in range(a, b)]
-            if None not in dst:
-                view = _rows_view(tensors[group][ti], dst)
-                if view is not None:
-                    return view, True
-        device = tensors[plan[k][0]][plan[k][1]].device if error is None else "cpu"
-        return torch.empty(nbytes, dtype=torch.uint8, device=device), False  # beside its pages
+        if error is not None:
+            return torch.empty(nbytes, dtype=torch.uint8), False  # drained and dropped
+        group, ti, a, b = plan[k]
+        dst = [dst_of[group].get(i) for i in range(a, b)]
+        if None not in dst:
+            view = _rows_view(tensors[group][ti], dst)
+            if view is not None:
+                return view, True
+        return torch.empty(nbytes, dtype=torch.uint8, device=tensors[group][ti].device), False  # beside its pages
 
     def absorb(k: int, buf: torch.Tensor, in_place: bool) -> None:
         digest.update(_host_bytes(buf))

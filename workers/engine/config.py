@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from cache_service.coordinator import EagleMode
+from cache_service.hit_finders import DropRule
 from workers.engine.errors import EngineConfigError
 
 
@@ -45,8 +46,10 @@ class EngineConfig:
             raise EngineConfigError(f"eagle_mode must be drop or lossless, got {self.eagle_mode!r}") from None
         if self.eagle_mode is EagleMode.OFF and self.num_spec_tokens:
             raise EngineConfigError("eagle_mode off cannot be combined with speculation; use drop or lossless")
-        if self.drop_rule not in ("lookahead", "alignment"):
-            raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}")
+        try:
+            DropRule(self.drop_rule)
+        except ValueError:
+            raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}") from None
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or (
