@@ -94,6 +94,7 @@ def test_tp2_engine_greedy_with_mtp_equals_tp1_and_warm_hit_equals_cold(tp2, tra
     (warm,) = engine.generate([prompts[2]], PARAMS)
     after = tp2.forward_counts_by_rank()
     (ref_warm,) = ref_engine.generate([prompts[2]], PARAMS)
+    # 387 tokens, full:16 + mamba:64 + draft:16 (A = 64), lossless: floor(386 / 64) * 64 = 384
     assert warm.num_cached_tokens == 384 and warm.token_ids == ref[2].token_ids
     # every rank's shard ran only the prompt's tokens past the hit (and the same rows as rank 0)
     n = len(prompts[2])
