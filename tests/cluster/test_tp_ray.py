@@ -60,7 +60,8 @@ def test_tp2_replicas_behind_the_cluster_backend_serve_and_hit(ray_session):
         (actor,) = [backend.replicas.get(r).actor for r in backend.replica_ids]
         before = ray_session.get(actor.work_counts.remote())
         warm, _ = backend.generate(prompts[1], PARAMS)
-        assert warm.num_cached_tokens > 0 and warm.token_ids == cold[1].token_ids
+        # 90 tokens, full:16 + mamba:64 + draft:16 (A = 64), lossless: floor(89 / 64) * 64 = 64
+        assert warm.num_cached_tokens == 64 and warm.token_ids == cold[1].token_ids
         # rank 0 and the TPWorker actor each ran only the prompt's tokens past the hit
         after = ray_session.get(actor.work_counts.remote())
         rest = len(prompts[1]) - warm.num_cached_tokens
