@@ -11,6 +11,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.model.forward_batch import ForwardCounts
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class WorkCountsMsg:
     requests), and what each TP rank's shard ran (`workers.model.forward_batch.ForwardCounts`, by rank)."""
 
     num_computed_prompt_tokens: int
-    ranks: tuple
+    ranks: tuple[ForwardCounts, ...]
 
 
 @dataclass(frozen=True)
