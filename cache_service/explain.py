@@ -115,9 +115,14 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
         "eagle_aware_retention": scenario.eagle_aware_retention,
         "prompt_len": scenario.prompt_len,
         "resend_len": resend.num_prompt_tokens,
-        "cold": {"hit_tokens": result.cold.hit.hit_tokens, "checkpoints": list(result.cold.checkpoints)},
+        "cold": {"hit_tokens": result.cold.hit.hit_tokens, "checkpoints": list(result.cold.checkpoints),
+                 "num_computed_prompt_tokens": scenario.prompt_len - result.cold.hit.hit_tokens},
         "per_group_hits": list(resend.hit.per_group_hits),
         "hit_tokens": resend.hit.hit_tokens,
+        # the resend's prompt tokens served from cache vs run through the model's forward (the engine
+        # reports the same pair per request: num_cached_tokens / num_computed_prompt_tokens)
+        "num_cached_tokens": resend.hit.hit_tokens,
+        "num_computed_prompt_tokens": resend.num_prompt_tokens - resend.hit.hit_tokens,
         "num_recomputed_tokens": resend.num_prompt_tokens - resend.hit.hit_tokens,
     }
     if verbose:

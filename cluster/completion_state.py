@@ -44,9 +44,11 @@ class CompletionState:
         self.stop_reason: str | int | None = None
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_computed_prompt_tokens = 0
 
     def update(self, out: RequestOutput) -> Increment:
         self.num_prompt_tokens, self.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        self.num_computed_prompt_tokens = out.num_computed_prompt_tokens
         new = list(out.new_token_ids)
         ends_on_token = out.finished and out.finish_reason == "stop" and bool(new)
         shown = new[:-1] if ends_on_token else new
@@ -73,7 +75,14 @@ class CompletionState:
         n = len(self.token_ids)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": n,
                 "total_tokens": self.num_prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+                "prompt_tokens_details": prompt_tokens_details(self.num_cached_tokens,
+                                                               self.num_computed_prompt_tokens)}
+
+
+def prompt_tokens_details(num_cached: int, num_computed: int) -> dict:
+    """OpenAI's `usage.prompt_tokens_details` (`cached_tokens`) plus `computed_tokens`, the prompt tokens
+    the model actually ran (an extension field: OpenAI clients keep unknown fields)."""
+    return {"cached_tokens": num_cached, "computed_tokens": num_computed}
 
 
 class _SkipSpecial:

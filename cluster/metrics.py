@@ -28,6 +28,11 @@ class Metrics:
                                           registry=r)
         self.cached_tokens = Counter("hybridserve_prefix_cache_hit_tokens", "prompt tokens served from cache",
                                      registry=r)
+        # vLLM's vllm:prompt_tokens_by_source{source=local_compute|local_cache_hit}: the work a hit saved
+        # (a prefix moved here by a transfer is registered, then served as a local hit)
+        self.prompt_tokens_by_source = Counter(
+            "hybridserve_prompt_tokens_by_source", "prompt tokens by source: local_compute (run through the "
+            "model's forward) or local_cache_hit (served from the prefix cache)", ["source"], registry=r)
         self.group_cached_tokens = Counter("hybridserve_prefix_cache_group_hit_tokens",
                                            "hit tokens per cache group (when the backend reports them)",
                                            ["group"], registry=r)
@@ -55,6 +60,8 @@ class Metrics:
         self.cache_query_tokens.inc(out.num_prompt_tokens)
         self.cache_hits.inc(1 if out.num_cached_tokens else 0)
         self.cached_tokens.inc(out.num_cached_tokens)
+        self.prompt_tokens_by_source.labels("local_compute").inc(out.num_computed_prompt_tokens)
+        self.prompt_tokens_by_source.labels("local_cache_hit").inc(out.num_cached_tokens)
         for group, n in (getattr(out, "num_cached_tokens_by_group", None) or {}).items():
             self.group_cached_tokens.labels(str(group)).inc(n)
         self.generated.inc(len(out.token_ids))

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from cluster.completion_state import prompt_tokens_details
 from cluster.metrics import Metrics
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream, StreamEnd
@@ -35,7 +36,7 @@ def sse_event(data: dict | str) -> str:
 def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": len(out.token_ids),
             "total_tokens": out.num_prompt_tokens + len(out.token_ids),
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": prompt_tokens_details(out.num_cached_tokens, out.num_computed_prompt_tokens)}
 
 
 def stream_error(item: StreamEnd) -> dict:

@@ -176,7 +176,8 @@ class LLM:
             cumulative = sum(lp.logprob for lp in state.logprobs) if state.logprobs is not None else None
             output = CompletionOutput(0, state.text, list(state.token_ids), state.finish_reason, state.stop_reason,
                                       logprobs, cumulative)
-            results[n] = RequestOutput(rid, encoded[n][0], encoded[n][1], [output], state.num_cached_tokens)
+            results[n] = RequestOutput(rid, encoded[n][0], encoded[n][1], [output], state.num_cached_tokens,
+                                       num_computed_prompt_tokens=state.num_computed_prompt_tokens)
         return results
 
 

@@ -26,6 +26,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     finished: bool = True
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model's forward
 
 
 def logprob_dicts(logprobs: list[TokenLogprobs] | None, token_ids: list[int]) -> list[dict[int, float]] | None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import ray
 
 from cache_service.messages import LoadReportMsg
-from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, TokenDeltaMsg
+from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, TokenDeltaMsg, WorkCountsMsg
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,17 @@ class Replica:
     def publisher_stats(self) -> dict:
         return {"pushes": self.publisher.num_pushes, "resyncs": self.publisher.num_resyncs,
                 "epoch": self.publisher.epoch}
+
+    @ray.method(concurrency_group="control")
+    def work_counts(self) -> WorkCountsMsg:
+        """Prompt tokens this replica computed (not served from cache), as its engine and each TP rank count them."""
+        def take(engine):
+            model = engine.model
+            by_rank = getattr(model, "forward_counts_by_rank", None)  # a TPModel asks its ranks
+            ranks = by_rank() if by_rank is not None else [model.forward_counts]
+            return WorkCountsMsg(engine.num_computed_prompt_tokens, tuple(ranks))
+
+        return self.runner.call(take)
 
     @ray.method(concurrency_group="control")
     def tp_workers(self) -> list:

@@ -5,11 +5,16 @@
                                          engine outputs, never all ids so far: linear, not
                                          quadratic, in the output length), the last one finished
     controller --describe()-->           <--ReplicaInfoMsg
+    tests, tools --work_counts()-->      <--WorkCountsMsg
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.model.forward_batch import ForwardCounts
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class TokenDeltaMsg:
     num_draft_proposed: int
     num_draft_accepted: int
     logprobs: tuple | None = None  # one `TokenLogprobs` per new token, when the request asked
+    num_computed_prompt_tokens: int = 0  # prompt tokens this replica ran through its model's forward
 
     @classmethod
     def merge(cls, outputs: list, num_tokens_before: int) -> TokenDeltaMsg:
@@ -73,7 +79,16 @@ class TokenDeltaMsg:
             logprobs = tuple(lp for out in outputs for lp in (out.logprobs or ()))
         return cls(last.request_id, num_tokens_before, new, last.finished, last.finish_reason,
                    last.num_prompt_tokens, last.num_cached_tokens, last.ttft_s, last.num_draft_proposed,
-                   last.num_draft_accepted, logprobs)
+                   last.num_draft_accepted, logprobs, last.num_computed_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class WorkCountsMsg:
+    """The prefill work a replica did: prompt tokens its engine sent through the model's forward (all
+    requests), and what each TP rank's shard ran (`workers.model.forward_batch.ForwardCounts`, by rank)."""
+
+    num_computed_prompt_tokens: int
+    ranks: tuple[ForwardCounts, ...]
 
 
 @dataclass(frozen=True)

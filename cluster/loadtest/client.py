@@ -44,6 +44,7 @@ class RequestRecord:
     latency_s: float | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    computed_tokens: int | None = None  # prompt tokens the server ran through the model (usage extension)
     usage_prompt_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
 
@@ -121,7 +122,9 @@ async def _send(client: httpx.AsyncClient, body: dict, rec: RequestRecord, t_run
                 if usage:
                     rec.completion_tokens = usage.get("completion_tokens")
                     rec.usage_prompt_tokens = usage.get("prompt_tokens")
-                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens")
+                    rec.computed_tokens = details.get("computed_tokens")
         rec.latency_s = time.perf_counter() - t0
         if rec.completion_tokens is None:
             rec.status, rec.error = "stream_error", "stream ended without a usage chunk"

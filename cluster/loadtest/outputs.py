@@ -15,7 +15,8 @@ SCHEMA = pa.schema([
     ("request_index", pa.int32()), ("group", pa.string()), ("turn", pa.int32()), ("cache_salt", pa.string()),
     ("num_prompt_tokens", pa.int32()), ("max_tokens", pa.int32()), ("status", pa.string()), ("error", pa.string()),
     ("start_s", pa.float64()), ("ttft_s", pa.float64()), ("latency_s", pa.float64()), ("tpot_s", pa.float64()),
-    ("completion_tokens", pa.int32()), ("cached_tokens", pa.int32()), ("usage_prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()), ("cached_tokens", pa.int32()), ("computed_tokens", pa.int32()),
+    ("usage_prompt_tokens", pa.int32()),
 ])
 
 
@@ -26,6 +27,7 @@ def records_table(results: list[LoadTestResult]) -> pa.Table:
          "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens, "status": r.status, "error": r.error,
          "start_s": r.start_s, "ttft_s": r.ttft_s, "latency_s": r.latency_s, "tpot_s": r.tpot_s,
          "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
+         "computed_tokens": r.computed_tokens,
          "usage_prompt_tokens": r.usage_prompt_tokens}
         for res in results for r in res.records
     ]

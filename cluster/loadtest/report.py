@@ -56,6 +56,8 @@ class WorkloadSummary:
     output_tokens_per_s: float
     wall_s: float
     errors: dict[str, int]  # status -> count, for every status but "200"
+    num_computed_tokens: int = 0  # prompt tokens the server ran through the model (ok requests, `usage`)
+    num_cached_tokens: int = 0  # prompt tokens it served from the prefix cache
 
     @property
     def warm_cold_ratio(self) -> float | None:
@@ -85,6 +87,8 @@ def summarize(result: LoadTestResult) -> WorkloadSummary:
         hit_rate=_hit_rate(records), server_hit_rate=result.metrics.hit_rate if result.metrics else None,
         requests_per_s=len(ok) / wall, output_tokens_per_s=sum(r.completion_tokens or 0 for r in ok) / wall,
         wall_s=result.wall_s, errors=dict(sorted(Counter(r.status for r in records if not r.ok).items())),
+        num_computed_tokens=sum(r.computed_tokens or 0 for r in ok),
+        num_cached_tokens=sum(r.cached_tokens or 0 for r in ok),
     )
 
 
@@ -97,7 +101,7 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 COLUMNS = ("variant", "workload", "reqs", "cold p50/p90/p99 ms", "warm p50/p90/p99 ms", "warm/cold",
-           "tpot ms", "hit", "warm hit", "/metrics hit", "req/s", "tok/s", "errors")
+           "tpot ms", "hit", "warm hit", "/metrics hit", "computed/cached tok", "req/s", "tok/s", "errors")
 
 
 def summary_row(s: WorkloadSummary) -> tuple[str, ...]:
@@ -109,7 +113,8 @@ def summary_row(s: WorkloadSummary) -> tuple[str, ...]:
         f"{_ms(warm.ttft_p50_s)}/{_ms(warm.ttft_p90_s)}/{_ms(warm.ttft_p99_s)}",
         _num(s.warm_cold_ratio, ".3f"), _num(None if s.tpot_p50_s is None else 1000 * s.tpot_p50_s, ".1f"),
         _num(s.hit_rate, ".1%"), _num(s.warm.hit_rate, ".1%"), _num(s.server_hit_rate, ".1%"),
-        f"{s.requests_per_s:.2f}", f"{s.output_tokens_per_s:.1f}", errors,
+        f"{s.num_computed_tokens}/{s.num_cached_tokens}", f"{s.requests_per_s:.2f}", f"{s.output_tokens_per_s:.1f}",
+        errors,
     )
 
 

@@ -61,6 +61,9 @@ def test_verbose_names_the_lookahead_block(capsys):
     report = json.loads(out)
     assert report["hit_tokens"] == 64 and report["lookahead_blocks"] == {"0": [64, 96]}
     assert "lookahead block [96, 128) runs past the prompt's full blocks" in report["explanation"][0]
+    # computed vs cached: the cold request computes all 127, the resend the 127 - 64 past its hit
+    assert report["cold"]["num_computed_prompt_tokens"] == 127
+    assert (report["num_cached_tokens"], report["num_computed_prompt_tokens"]) == (64, 63)
 
 
 def test_extended_resend_and_draft_groups(capsys):

@@ -1,7 +1,9 @@
 """Fault injection on a simulated 2-node Ray cluster under HTTP loadtest traffic (`bench.faults` at a
-small size): every accepted request completes (or gets a retryable error), no output differs from
-the cold one, and the cluster index is consistent again after each fault (how fast is measured by
-`python -m bench.faults`, not asserted here)."""
+small size): every greedy request finishes with status 200 and its cold output; the only retryable
+error allowed is the documented one (an unseeded sampled request that had already streamed when its
+replica died: its tokens cannot be regenerated), and exactly as many as the scenario provokes; and
+the cluster index is consistent again after each fault (how fast is measured by `python -m
+bench.faults`, not asserted here)."""
 
 import os
 import tempfile
@@ -27,10 +29,18 @@ def results():
     return out
 
 
+# The kills start three probes on the victim, each past its first token when it dies (bench.faults):
+# greedy and seeded ones must resume elsewhere; the unseeded sampled one is the documented case.
+DOCUMENTED_RETRYABLE = {"kill_replica": 1, "kill_tp_rank": 1}
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_fault_loses_nothing_changes_no_output_and_the_index_recovers(results, name):
     r = results[name]
-    assert r.sent >= 6 and r.completed + r.retryable_errors == r.sent, r.details
+    documented = DOCUMENTED_RETRYABLE.get(name, 0)
+    assert r.sent >= 6 and r.completed == r.sent - documented, r.details  # every greedy request: 200
+    assert r.retryable_errors == r.documented_retryable == documented, r.details
+    assert all("unseeded sampled request had streamed" in why for why in r.details.get("retryable_why", []))
     assert r.lost == 0 and r.differing == 0, r.details
     assert r.recovery_s is not None, r.details  # recovered within the bench's bounded wait (timing: bench.faults)
 
@@ -44,3 +54,5 @@ def test_each_fault_did_happen(results):
     assert d["kill_cache_service"].get("service_resyncs", 0) >= 2  # both replicas rebuilt into it
     for name in ("kill_replica", "kill_tp_rank"):
         assert d[name]["replica_deaths"] == 1 and len(d[name]["replicas_after"]) == 1
+        # the greedy and the seeded probe were mid-stream on the victim: both resumed elsewhere
+        assert d[name]["retries"] >= 2 and sorted(d[name]["probes_completed"]) == ["greedy", "seeded"]

@@ -30,14 +30,17 @@ AUTH = {"Authorization": "Bearer sekret"}
 
 
 @pytest.mark.timeout(120)
-def test_resend_hits_and_equals_cold_over_http(server):
+def test_resend_hits_and_equals_cold_over_http(server, tiny_model):
     prompt = make_prompt(600, 77)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
     with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        before = tiny_model.forward_counts.num_prompt_tokens
         cold = c.post("/v1/completions", json=body).json()
         warm = c.post("/v1/completions", json=body).json()
-        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 576
+        assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "computed_tokens": 600}
+        # 576 = floor(599 / 64) * 64 (lossless: no drop); the model runs only the other 24
+        assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": 576, "computed_tokens": 24}
+        assert tiny_model.forward_counts.num_prompt_tokens - before == 600 + 24
         assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
         assert warm["usage"]["completion_tokens"] == 8
         # streaming: SSE chunks whose tokens concatenate to the same output
@@ -50,9 +53,12 @@ def test_resend_hits_and_equals_cold_over_http(server):
             chunk = json.loads(line[6:])
             tokens += chunk["choices"][0]["token_ids"]
             usage = chunk.get("usage", usage)
-        assert tokens == cold["choices"][0]["token_ids"] and usage["prompt_tokens_details"]["cached_tokens"] == 576
+        assert tokens == cold["choices"][0]["token_ids"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 576, "computed_tokens": 24}
         metrics = c.get("/metrics").text
         assert "hybridserve_prefix_cache_hit_tokens_total 1152.0" in metrics
+        assert 'hybridserve_prompt_tokens_by_source_total{source="local_compute"} 648.0' in metrics  # 600 + 24 + 24
+        assert 'hybridserve_prompt_tokens_by_source_total{source="local_cache_hit"} 1152.0' in metrics
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert c.get("/health").json()["status"] == "ok"
 

@@ -26,7 +26,9 @@ def test_text_and_token_prompts_batch_and_cache(llm):
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[0].outputs[0].text == llm.tokenizer.decode(outs[0].outputs[0].token_ids)
     again = llm.generate(CODE, GREEDY)[0]
-    assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # 180 byte tokens, full:16 + mamba:64 (A = 64), lossless MTP (no drop): floor(179 / 64) * 64 = 128
+    assert again.num_cached_tokens == 128 and again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert len(again.prompt_token_ids) == 180 and again.num_computed_prompt_tokens == 180 - 128
 
 
 def test_stop_strings_logprobs_and_penalties(llm):

@@ -205,7 +205,7 @@ class _FakeServer(BaseHTTPRequestHandler):
         else:
             chunks.append({"choices": [{"token_ids": [9], "finish_reason": "length"}],
                            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 3,
-                                     "prompt_tokens_details": {"cached_tokens": 5}}})
+                                     "prompt_tokens_details": {"cached_tokens": 5, "computed_tokens": 3}}})
         for c in chunks:
             self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
@@ -223,6 +223,7 @@ def test_client_counts_http_and_stream_errors_without_raising():
         httpd.shutdown()
     ok, http_error, broken = res.records
     assert (ok.status, ok.completion_tokens, ok.cached_tokens, ok.output_token_ids) == ("200", 3, 5, [7, 8, 9])
+    assert ok.computed_tokens == 3 and summarize(res).num_computed_tokens == 3
     assert ok.ttft_s is not None and ok.latency_s >= ok.ttft_s
     assert (http_error.status, http_error.error) == ("503", '{"error": {"message": "overloaded"}}')
     assert (broken.status, broken.error) == ("stream_error", "backend failed: boom")
@@ -254,6 +255,9 @@ def test_resend_and_tenants_against_a_real_server(server, tmp_path, capsys):
         warm = [r for r in rows if r["workload"] == workload and r["phase"] == "warm"]
         cold = [r for r in rows if r["workload"] == workload and r["phase"] == "cold"]
         assert all(r["cached_tokens"] > 0 for r in warm) and all(r["cached_tokens"] == 0 for r in cold)
+        # the work: a cold request computes its whole prompt, a warm one only what it did not hit
+        assert all(r["computed_tokens"] == r["num_prompt_tokens"] for r in cold)
+        assert all(r["computed_tokens"] == r["num_prompt_tokens"] - r["cached_tokens"] for r in warm)
     # the warm resends' saving is asserted as work (cached prompt tokens), not as wall-clock TTFT
     resend = [r for r in rows if r["workload"] == "resend"]
     assert all(r["ttft_s"] is not None and r["ttft_s"] > 0 for r in resend)

@@ -92,10 +92,11 @@ def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
     backend = server.backend
     prompt = make_prompt(600, 41)
     cold, usage, _ = _stream(url, prompt)
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "computed_tokens": 600}
     before = dict(backend.counters)
     warm, usage, _ = _stream(url, prompt)
-    assert warm == cold and usage["prompt_tokens_details"]["cached_tokens"] == 576
+    # floor(599 / 64) * 64 = 576 (lossless: no drop); the replica's model ran the other 24
+    assert warm == cold and usage["prompt_tokens_details"] == {"cached_tokens": 576, "computed_tokens": 24}
     assert backend.counters["transfers"] == before["transfers"]  # served where the state lives: no transfer
     # which replica holds it, and force the other one (pages move first, then a normal local hit)
     holder = max(backend.replica_ids, key=lambda r: backend.service_stats()["replicas"][r]["entries"][1])
@@ -103,6 +104,7 @@ def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
     forced, served_by = backend.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=other)
     assert served_by == other and backend.counters["transfers"] == before["transfers"] + 1
     assert list(forced.token_ids) == cold and forced.num_cached_tokens == 576
+    assert forced.num_computed_prompt_tokens == 600 - 576  # the moved pages were used, not recomputed
     metrics = httpx.get(f"{url}/metrics").text
     assert 'hybridserve_transfers_total{outcome="ok"}' in metrics
 

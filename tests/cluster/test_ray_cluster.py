@@ -41,13 +41,19 @@ def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_se
         prompt = make_prompt(600, 1)
         cold, holder = backend.generate(prompt, PARAMS)
         warm, again = backend.generate(prompt, PARAMS)
-        assert cold.num_cached_tokens == 0
-        assert again == holder and warm.num_cached_tokens == 576
-        assert warm.token_ids == cold.token_ids
+        assert cold.num_cached_tokens == 0 and cold.num_computed_prompt_tokens == 600
+        assert again == holder and warm.num_cached_tokens == 576  # floor(599 / 64) * 64, lossless: no drop
+        assert warm.token_ids == cold.token_ids and warm.num_computed_prompt_tokens == 600 - 576
         other = next(r for r in backend.replica_ids if r != holder)
+        work = ray_session.get(backend.replicas.get(other).actor.work_counts.remote())
         forced, served = backend.generate(prompt, PARAMS, replica_id=other)  # the holder's pages move first
         assert served == other and backend.counters["transfers"] == 1
         assert forced.token_ids == cold.token_ids and forced.num_cached_tokens == 576
+        # after the transfer the receiver computes only the rest, as its engine and its model count it
+        after = ray_session.get(backend.replicas.get(other).actor.work_counts.remote())
+        assert forced.num_computed_prompt_tokens == 600 - 576
+        assert after.num_computed_prompt_tokens - work.num_computed_prompt_tokens == 600 - 576
+        assert after.ranks[0].num_prompt_tokens - work.ranks[0].num_prompt_tokens == 600 - 576
         # kill the holder: the next request (forced there) is served by the survivor, nothing lost
         kill_replica(backend, holder)
         last, served = backend.generate(prompt, PARAMS, replica_id=holder)

@@ -39,6 +39,7 @@ def test_tp2_ray_replica_greedy_equals_tp1_and_warm_hit_equals_cold(ray_session)
         assert [o.token_ids for o in cold] == [o.token_ids for o in ref]
         assert [o.num_draft_accepted for o in cold] == [o.num_draft_accepted for o in ref]
         (warm,) = engine.generate([prompts[2]], PARAMS)
+        # 387 tokens, full:16 + mamba:64 + draft:16 (A = 64), lossless: floor(386 / 64) * 64 = 384
         assert warm.num_cached_tokens == 384 and warm.token_ids == cold[2].token_ids
     finally:
         engine.model.close()
@@ -56,7 +57,16 @@ def test_tp2_replicas_behind_the_cluster_backend_serve_and_hit(ray_session):
     try:
         cold = [backend.generate(p, PARAMS)[0] for p in prompts[:2]]
         assert [o.token_ids for o in cold] == [o.token_ids for o in ref]
+        (actor,) = [backend.replicas.get(r).actor for r in backend.replica_ids]
+        before = ray_session.get(actor.work_counts.remote())
         warm, _ = backend.generate(prompts[1], PARAMS)
-        assert warm.num_cached_tokens > 0 and warm.token_ids == cold[1].token_ids
+        # 90 tokens, full:16 + mamba:64 + draft:16 (A = 64), lossless: floor(89 / 64) * 64 = 64
+        assert warm.num_cached_tokens == 64 and warm.token_ids == cold[1].token_ids
+        # rank 0 and the TPWorker actor each ran only the prompt's tokens past the hit
+        after = ray_session.get(actor.work_counts.remote())
+        rest = len(prompts[1]) - warm.num_cached_tokens
+        assert warm.num_computed_prompt_tokens == rest
+        assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == rest
+        assert [a.num_prompt_tokens - b.num_prompt_tokens for a, b in zip(after.ranks, before.ranks)] == [rest] * 2
     finally:
         backend.shutdown()

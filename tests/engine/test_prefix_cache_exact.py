@@ -1,38 +1,52 @@
-"""Warm output == cold output, token for token, and the engine's hit == `explain`'s prediction."""
+"""Warm output == cold output, token for token; the hit is the hand-derived number; and the warm
+request sends exactly (prompt - hit) prompt tokens through the model's forward (the saved work)."""
 
 import pytest
 
-from cache_service.coordinator import EagleMode
-from cache_service.simulate import Scenario, simulate
-from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, MambaSpec
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling import SamplingParams
 
 LENGTHS = [1, 17, 63, 64, 65, 130, 257, 400]
+# Engine layout: full:16 + mamba:64 (+ draft:16 with MTP), so A = lcm(16, 64) = 64. Identical resend of
+# N tokens: the replay boundary R = floor((N - 1) / 64) * 64 is always retained (latest, dense, and the
+# 128-token interval alike), and no hit can be larger (L <= N - 1, a multiple of 64), so:
+#   no drop (EAGLE off, lossless, or no MTP at all): hit = R
+#       N:   1  17  63  64   65  130  257  400
+#       R:   0   0   0   0   64  128  256  384
+#   drop (MTP, lookahead rule): hit = R when the draft block [R, R + 16) lies inside the prompt
+#   (R + 16 <= N: only N = 400, [384, 400)); else R - 64, which drop-mode retention keeps because
+#   that lookahead block cannot exist, and whose own lookahead block [R - 64, R - 48) is inside:
+#       65 -> 0, 130 -> 64, 257 -> 192, 400 -> 384
+HIT_NO_DROP = {1: 0, 17: 0, 63: 0, 64: 0, 65: 64, 130: 128, 257: 256, 400: 384}
+HIT_DROP = {1: 0, 17: 0, 63: 0, 64: 0, 65: 0, 130: 64, 257: 192, 400: 384}
 MODES = [(0, "lossless"), (3, "drop"), (3, "lossless")]
+CASES = [  # (num_spec_tokens, eagle_mode, retention): every EAGLE mode, with and without MTP
+    (0, "off", "latest"), (0, "drop", "latest"),
+    *[(k, eagle, r) for r in ("latest", "dense", "128") for k, eagle in MODES],
+]
 
 
-def predicted_hit(prompt_len: int, k: int, eagle: str, retention: str) -> int:
-    groups = [FullAttentionSpec(16), MambaSpec(64)] + ([DraftAttentionSpec(16)] if k else [])
-    scenario = Scenario(
-        groups=tuple(groups), prompt_len=prompt_len, eagle=EagleMode(eagle) if k else EagleMode.OFF,
-        retention=retention, num_spec_tokens=k,
-    )
-    return simulate(scenario).resend.hit.hit_tokens
-
-
-@pytest.mark.parametrize("retention", ["latest", "dense", "128"])
-@pytest.mark.parametrize("k, eagle", MODES)
-def test_warm_equals_cold_and_matches_explain(tiny_model, k, eagle, retention):
+@pytest.mark.parametrize("k, eagle, retention", CASES)
+def test_warm_equals_cold_hits_by_hand_and_computes_only_the_rest(tiny_model, k, eagle, retention):
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, retention=retention)
+    expected = HIT_DROP if (k and eagle == "drop") else HIT_NO_DROP
     params = SamplingParams(max_tokens=6)
     for n in LENGTHS:
         prompt = make_prompt(n, seed=n)
         (cold,) = engine.generate([prompt], params)
+        before, engine_before = tiny_model.forward_counts, engine.num_computed_prompt_tokens
         (warm,) = engine.generate([prompt], params)
-        assert cold.num_cached_tokens == 0
+        after = tiny_model.forward_counts
+        assert cold.num_cached_tokens == 0 and cold.num_computed_prompt_tokens == n
         assert warm.token_ids == cold.token_ids, f"n={n}"
-        assert warm.num_cached_tokens == predicted_hit(n, k, eagle, retention), f"n={n}"
+        hit = expected[n]
+        assert warm.num_cached_tokens == hit, f"n={n}"
+        # the work: a hit that recomputed the prompt from zero state would still give equal outputs
+        assert warm.num_computed_prompt_tokens == n - hit, f"n={n}"
+        assert engine.num_computed_prompt_tokens - engine_before == n - hit
+        assert after.num_prompt_tokens - before.num_prompt_tokens == n - hit  # as the model counted it
+        if not k:  # every row the model ran: the prompt's rest, then one row per later output token
+            assert after.num_tokens - before.num_tokens == n - hit + len(warm.token_ids) - 1, f"n={n}"
         engine.cache.check_integrity()
     assert not engine.has_unfinished()
 
@@ -97,7 +111,9 @@ def test_admission_never_evicts_the_pages_it_restores_from(tiny_model, eagle):
         for block in [b for b in pool.cached.values() if b.ref_cnt == 0]:
             pool._free.move_to_end(block.block_id, last=False)
     (warm,) = engine.generate([prompt], params)
-    assert warm.num_cached_tokens > 0 and warm.token_ids == cold.token_ids
+    # R = floor(499 / 64) * 64 = 448; drop: its lookahead block [448, 464) lies inside the 500 tokens
+    assert warm.num_cached_tokens == 448 and warm.token_ids == cold.token_ids
+    assert warm.num_computed_prompt_tokens == 500 - 448
     engine.cache.check_integrity()
 
 

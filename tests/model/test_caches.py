@@ -49,3 +49,18 @@ def test_batch_validation(model, chunks, ids, match):
     caches = model.allocate_caches(4, 16, 3)
     with pytest.raises(ForwardBatchError, match=match):
         model.forward(ForwardBatch(torch.zeros(ids, dtype=torch.long), chunks), caches)
+
+
+def test_forward_counts_rows_and_declared_prompt_rows_and_tp_commands_carry_them(model):
+    from workers.model.tensor_parallel import decode_batch, encode_batch
+
+    caches = model.allocate_caches(4, 16, 3)
+    chunks = (SeqChunk(0, 5, torch.tensor([0]), 0), SeqChunk(7, 1, torch.tensor([1]), 1))
+    with pytest.raises(ForwardBatchError, match="num_prompt_tokens=7 outside"):
+        model.forward(ForwardBatch(torch.zeros(6, dtype=torch.long), chunks, 7), caches)
+    batch = ForwardBatch(torch.arange(6), chunks, 5)  # a 5-token prefill chunk next to a decode
+    assert decode_batch(encode_batch(batch)).num_prompt_tokens == 5  # what rank > 0 counts
+    before = model.forward_counts
+    model.forward(batch, caches)
+    after = model.forward_counts
+    assert (after.num_tokens - before.num_tokens, after.num_prompt_tokens - before.num_prompt_tokens) == (6, 5)

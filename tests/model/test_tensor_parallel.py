@@ -90,9 +90,17 @@ def test_tp2_engine_greedy_with_mtp_equals_tp1_and_warm_hit_equals_cold(tp2, tra
         (o.num_draft_proposed, o.num_draft_accepted) for o in ref
     ]
     assert engine.speculative and sum(o.num_draft_accepted for o in cold) > 0
+    before = tp2.forward_counts_by_rank()
     (warm,) = engine.generate([prompts[2]], PARAMS)
+    after = tp2.forward_counts_by_rank()
     (ref_warm,) = ref_engine.generate([prompts[2]], PARAMS)
+    # 387 tokens, full:16 + mamba:64 + draft:16 (A = 64), lossless: floor(386 / 64) * 64 = 384
     assert warm.num_cached_tokens == 384 and warm.token_ids == ref[2].token_ids
+    # every rank's shard ran only the prompt's tokens past the hit (and the same rows as rank 0)
+    n = len(prompts[2])
+    assert warm.num_computed_prompt_tokens == n - 384
+    assert [a.num_prompt_tokens - b.num_prompt_tokens for a, b in zip(after, before)] == [n - 384] * 2
+    assert after[0].num_tokens - before[0].num_tokens == after[1].num_tokens - before[1].num_tokens > n - 384
     # the lossless hit copied a draft KV page on every rank: the drafts after the hit are the same
     assert TPCommand.COPY_DRAFT_PAGE in sent and warm.num_draft_accepted == ref_warm.num_draft_accepted
 

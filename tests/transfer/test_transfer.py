@@ -31,8 +31,12 @@ def test_transferred_prefix_is_a_local_hit_with_identical_output(tiny_model, eag
     header, payload = export_prefix(src.cache, _hashes(src, prompt), hit)
     assert import_prefix(dst.cache, header, payload) == sum(len(keys) for keys in header.keys)
     dst.cache.check_integrity()
+    before = tiny_model.forward_counts.num_prompt_tokens
     (warm,) = dst.generate([prompt], PARAMS)
     assert warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
+    # the moved pages are used, not recomputed: only the prompt's last 500 - 448 tokens go through the model
+    assert warm.num_computed_prompt_tokens == dst.num_computed_prompt_tokens == 500 - hit
+    assert tiny_model.forward_counts.num_prompt_tokens - before == 500 - hit
     assert import_prefix(dst.cache, header, payload) == 0  # already there: nothing new stored
 
 
@@ -55,7 +59,7 @@ def test_corrupt_or_incompatible_transfers_are_refused(tiny_model):
         export_prefix(src.cache, _hashes(src, make_prompt(300, 5)), 256)
     assert dst.cache.pools[0].num_cached_blocks == 0  # nothing half-registered
     (warm,) = dst.generate([prompt], PARAMS)
-    assert warm.num_cached_tokens == 0  # fell back to recompute
+    assert warm.num_cached_tokens == 0 and warm.num_computed_prompt_tokens == 300  # fell back to recompute
 
 
 def _free_port() -> int:
@@ -77,13 +81,15 @@ def _worker(rank, port, model_dir, queue, chunk_bytes):
         if rank == 0:
             (cold,) = engine.generate([prompt], PARAMS)
             send_prefix(engine.cache, _hashes(engine, prompt), 576, WorldChannel(1), chunk_bytes=chunk_bytes)
-            queue.put(("src", list(cold.token_ids), cold.num_cached_tokens))
+            queue.put(("src", list(cold.token_ids), cold.num_cached_tokens,
+                       engine.model.forward_counts.num_prompt_tokens))
         else:
             stored = recv_prefix(engine.cache, WorldChannel(0))
             assert stored > 0
             engine.cache.check_integrity()
             (warm,) = engine.generate([prompt], PARAMS)
-            queue.put(("dst", list(warm.token_ids), warm.num_cached_tokens))
+            queue.put(("dst", list(warm.token_ids), warm.num_cached_tokens,
+                       engine.model.forward_counts.num_prompt_tokens))
     finally:
         dist.destroy_process_group()
 
@@ -98,11 +104,13 @@ def test_rank_to_rank_over_gloo_on_loopback(tiny_dir, chunk_bytes):
     procs = [ctx.Process(target=_worker, args=(r, port, tiny_dir, queue, chunk_bytes)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((name, (tokens, hit)) for name, tokens, hit in (queue.get(timeout=150) for _ in range(2)))
+    got = [queue.get(timeout=150) for _ in range(2)]
+    results = {name: (tokens, hit, computed) for name, tokens, hit, computed in got}
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
     assert results["src"][1] == 0 and results["dst"][1] == 576
+    assert results["src"][2] == 600 and results["dst"][2] == 600 - 576  # the receiver's model ran only the rest
     assert results["dst"][0] == results["src"][0]
 
 
@@ -167,6 +175,7 @@ def test_streamed_transfer_refuses_corruption_and_the_channel_stays_usable(tiny_
         src.cache.check_integrity()  # the sender's pins were released
     (warm,) = dst.generate([prompt], PARAMS)
     assert warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
+    assert warm.num_computed_prompt_tokens == 500 - hit
 
 
 def test_streamed_transfer_to_an_incompatible_replica_is_refused_after_draining(tiny_model):

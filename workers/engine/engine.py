@@ -60,6 +60,7 @@ class LLMEngine:
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
             "engine: %d KV blocks x %d tokens, %d state pages, alignment %d, speculation %s (%s)",
             num_kv_blocks, config.kv_block_size, num_slots, self.cache.alignment,
@@ -169,10 +170,13 @@ class LLMEngine:
     def _batch(self, scheduled: list[ScheduledChunk]) -> ForwardBatch:
         ids: list[int] = []
         chunks = []
+        num_prompt = 0
         for item in scheduled:
             req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
             if item.kind is ChunkKind.PREFILL:
                 ids.extend(req.prompt_token_ids[n : n + m])
+                req.num_computed_prompt_tokens += m  # the work counted: what a hit must save
+                num_prompt += m
             else:
                 ids.append(req.output_token_ids[-1])
                 ids.extend(req.draft_token_ids)
@@ -181,7 +185,8 @@ class LLMEngine:
                 per_token = tuple(s.block_id for s in req.verify_slots[:m])
             table = torch.tensor([b.block_id for b in req.kv_blocks], dtype=torch.long)
             chunks.append(SeqChunk(n, m, table, req.state_slot.block_id, per_token))
-        return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks))
+        self.num_computed_prompt_tokens += num_prompt
+        return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
 
     def _wants_drafts(self, req: Request) -> bool:
         return self.speculative and req.params.greedy and not req.params.shapes_logits

@@ -38,6 +38,9 @@ class Request:
     num_computed_tokens: int = 0  # target KV + Mamba state valid for [0, n)
     num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
     num_cached_tokens: int = 0  # the prefix hit at admission
+    # prompt tokens sent through the target model's forward (prefill chunks; a recomputation after
+    # preemption counts again): the work a hit saved is num_prompt_tokens - this
+    num_computed_prompt_tokens: int = 0
     kv_blocks: list[CacheBlock] = field(default_factory=list)
     draft_blocks: list[CacheBlock] = field(default_factory=list)
     state_slot: CacheBlock | None = None  # working Mamba state
@@ -89,6 +92,7 @@ class RequestOutput:
     num_draft_proposed: int
     num_draft_accepted: int
     logprobs: tuple[TokenLogprobs, ...] | None = None  # of `new_token_ids`, when the request asked
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model's forward (Request's field)
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -98,4 +102,5 @@ class RequestOutput:
             req.ttft_s, req.num_draft_proposed, req.num_draft_accepted,
             tuple(req.output_logprobs[len(req.output_logprobs) - len(new_token_ids):])
             if req.params.logprobs is not None else None,
+            req.num_computed_prompt_tokens,
         )

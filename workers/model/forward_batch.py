@@ -68,11 +68,22 @@ class VerifyGroup:
 
 
 @dataclass(frozen=True)
+class ForwardCounts:
+    """What a model (one TP rank's shard) has run through its forward since it was built: every row,
+    and the rows its batches declared prompt tokens (the prefill work a prefix hit saves)."""
+
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
-    """input_ids: int64 [T], the chunks' new tokens concatenated in chunk order."""
+    """input_ids: int64 [T], the chunks' new tokens concatenated in chunk order.
+    num_prompt_tokens: how many of the T rows are prompt tokens (prefill chunks), for the work counts."""
 
     input_ids: torch.Tensor
     chunks: tuple[SeqChunk, ...]
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +132,8 @@ class ForwardBatch:
         total = sum(c.num_new_tokens for c in self.chunks)
         if total != self.num_tokens:
             raise ForwardBatchError(f"chunks hold {total} new tokens but input_ids has {self.num_tokens}")
+        if not 0 <= self.num_prompt_tokens <= total:
+            raise ForwardBatchError(f"num_prompt_tokens={self.num_prompt_tokens} outside [0, {total}]")
         seen_slots: set[int] = set()
         for i, c in enumerate(self.chunks):
             if c.num_new_tokens < 1 or c.num_context_tokens < 0:

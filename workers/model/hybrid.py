@@ -20,7 +20,7 @@ from workers.model import caches as cache_mod
 from workers.model.attention import PagedAttention, PagedPlan
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
-from workers.model.forward_batch import ForwardBatch
+from workers.model.forward_batch import ForwardBatch, ForwardCounts
 from workers.model.kernels import TORCH_KERNELS, KernelSet
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.mlp import make_mlp
@@ -85,6 +85,7 @@ class HybridForCausalLM(nn.Module):
         if self.tied:
             self.lm_head.weight = self.model.embeddings.weight
         self.mtp: MTPHead | None = MTPHead(config, self.model.embeddings, kernels) if with_mtp else None
+        self.forward_counts = ForwardCounts()  # rows this model (shard) actually ran: the work metric
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,6 +103,8 @@ class HybridForCausalLM(nn.Module):
             caches.num_kv_blocks,
             caches.num_state_slots if self.config.mamba_layer_ids else None,
         )
+        self.forward_counts = ForwardCounts(self.forward_counts.num_tokens + batch.num_tokens,
+                                            self.forward_counts.num_prompt_tokens + batch.num_prompt_tokens)
         plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
         c = self.config
         h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]

@@ -11,6 +11,7 @@ layers all-reduce inside the forward, so all ranks hold the same full hidden sta
     caches.copy_state(src, dst)    --->     COPY_STATE   [src, dst]
     draft_kv[j][kv][dst].copy_(..) --->     COPY_DRAFT_PAGE [j, kv, src, dst]
     model.allocate_caches(...)     --->     ALLOCATE     [sizes]
+    model.forward_counts_by_rank() --->     FORWARD_COUNTS  (an all-reduce: each rank's ForwardCounts)
     model.close()                  --->     STOP
     model.compute_logits(h)                 (rank 0 only: it alone holds lm_head)
 
@@ -29,7 +30,7 @@ import torch
 
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import ForwardBatch, SeqChunk
+from workers.model.forward_batch import ForwardBatch, ForwardCounts, SeqChunk
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.tp_group import TPGroup
 
@@ -44,17 +45,19 @@ class TPCommand(enum.IntEnum):
     COPY_STATE = 4
     ZERO_STATE = 5
     COPY_DRAFT_PAGE = 6
+    FORWARD_COUNTS = 7
 
 
 def encode_batch(batch: ForwardBatch) -> list[int]:
-    """[T, C, ids..., then per chunk: context, new, slot, len(table), has_per_token, table..., per_token...]"""
+    """[T, C, ids..., then per chunk: context, new, slot, len(table), has_per_token, table..., per_token...,
+    then num_prompt_tokens]"""
     out = [batch.num_tokens, len(batch.chunks), *batch.input_ids.tolist()]
     for c in batch.chunks:
         table = c.block_table.tolist()
         per_token = list(c.per_token_state_slots or ())
         out += [c.num_context_tokens, c.num_new_tokens, c.state_slot, len(table),
                 int(c.per_token_state_slots is not None), *table, *per_token]
-    return out
+    return [*out, batch.num_prompt_tokens]
 
 
 def decode_batch(ints: list[int]) -> ForwardBatch:
@@ -68,7 +71,14 @@ def decode_batch(ints: list[int]) -> ForwardBatch:
         per_token = tuple(ints[pos : pos + new]) if has_per_token else None
         pos += new if has_per_token else 0
         chunks.append(SeqChunk(context, new, table, slot, per_token))
-    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks))
+    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), ints[pos])
+
+
+def gather_forward_counts(shard: HybridForCausalLM, group: TPGroup) -> list[ForwardCounts]:
+    """Every rank's `shard.forward_counts`, by rank (each rank fills its row of a summed table)."""
+    table = torch.zeros(group.world_size, 2, dtype=torch.long, device=group.device)
+    table[group.rank] = torch.tensor([shard.forward_counts.num_tokens, shard.forward_counts.num_prompt_tokens])
+    return [ForwardCounts(*row) for row in group.all_reduce(table).tolist()]
 
 
 def send_command(group: TPGroup, kind: TPCommand, ints: list[int]) -> None:
@@ -217,6 +227,18 @@ class TPModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shard.compute_logits(hidden)
 
+    @property
+    def forward_counts(self) -> ForwardCounts:
+        """Rank 0's counts (every rank runs the same batches: see forward_counts_by_rank)."""
+        return self.shard.forward_counts
+
+    def forward_counts_by_rank(self) -> list[ForwardCounts]:
+        """What each rank's shard actually ran (asked over the group, so it is the ranks' own count)."""
+        if self.group is None:
+            return [self.shard.forward_counts]
+        self.send(TPCommand.FORWARD_COUNTS, [])
+        return gather_forward_counts(self.shard, self.group)
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.shard.kv_bytes_per_block(block_size)
 
@@ -273,6 +295,8 @@ def serve_tp_commands(shard: HybridForCausalLM, group: TPGroup) -> int:
                 caches.copy_state(*ints)
             elif kind is TPCommand.ZERO_STATE:
                 caches.zero_state(*ints)
+            elif kind is TPCommand.FORWARD_COUNTS:
+                gather_forward_counts(shard, group)
             elif kind is TPCommand.COPY_DRAFT_PAGE:
                 layer, which, src, dst = ints
                 pool = caches.draft_kv[layer][which]
