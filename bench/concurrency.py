@@ -5,7 +5,9 @@ For each level C, C requests (distinct windows of held-out text, `prompt_len` to
 tokens/s = output tokens / wall time from submission to the last finish (prefill included). Levels run
 interleaved over the repeats (order reversed every other repeat, a fresh cache salt each run, so no run
 hits another's prefix) and times are summed per level, so load drift on a shared machine hits every level
-alike. Ratios are against the first level of the same run.
+alike. Ratios are against the first level of the same run. Besides wall time the process CPU time is
+reported (`output_tokens_per_cpu_s`): with `--threads 1` it is what the run would take on an idle core,
+which is the steadier number on a machine shared with other jobs.
 
 Correctness rides along: prompt i's output must be the same at every level that ran it (a request's
 tokens do not depend on what it was batched with).
@@ -39,23 +41,28 @@ def measure_concurrency(model, levels: list[int], prompts: list[list[int]], num_
     engine.generate(prompts[: max(levels)], SamplingParams(max_tokens=4, ignore_eos=True),
                     cache_salt="warmup")  # one-time init costs at the largest batch shapes
     seconds = dict.fromkeys(levels, 0.0)
+    cpu_seconds = dict.fromkeys(levels, 0.0)
     num_output = dict.fromkeys(levels, 0)
     outputs: dict[int, list[tuple[int, ...]]] = {}  # prompt index -> its output at each level
     for r in range(repeats):
         for level in levels if r % 2 == 0 else levels[::-1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             done = engine.generate(prompts[:level], params, cache_salt=f"c{level}-r{r}")
             seconds[level] += time.perf_counter() - t0
+            cpu_seconds[level] += time.process_time() - c0
             num_output[level] += sum(len(o.token_ids) for o in done)
             for i, o in enumerate(done):
                 outputs.setdefault(i, []).append(o.token_ids)
     base = levels[0]
     rate = {c: num_output[c] / seconds[c] for c in levels}
+    cpu_rate = {c: num_output[c] / cpu_seconds[c] for c in levels}
     return {
         "prompt_len": prompt_len, "output_tokens": num_tokens, "repeats": repeats,
         "num_spec_tokens": num_spec_tokens,
         "levels": [{"concurrency": c, "output_tokens_per_s": round(rate[c], 1),
-                    "seconds": round(seconds[c], 3), f"ratio_vs_{base}": round(rate[c] / rate[base], 2)}
+                    "seconds": round(seconds[c], 3), f"ratio_vs_{base}": round(rate[c] / rate[base], 2),
+                    "output_tokens_per_cpu_s": round(cpu_rate[c], 1),
+                    f"cpu_ratio_vs_{base}": round(cpu_rate[c] / cpu_rate[base], 2)}
                    for c in levels],
         "outputs_equal_across_levels": all(len(set(outs)) == 1 for outs in outputs.values()),
     }

@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated levels, e.g. 1,4,16,32: output tokens/s per level (only this)")
     p.add_argument("--concurrency-spec-tokens", type=int, default=0,
                    help="MTP draft tokens per step in the concurrency runs (default 0: plain decode)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     from workers.model.loader import load_model
 
     model_dir = args.model

@@ -70,7 +70,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
-        k_flat[plan.write_slots] = k.to(k_flat.dtype)
-        v_flat[plan.write_slots] = v.to(v_flat.dtype)
+        k_flat.index_copy_(0, plan.write_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, plan.write_slots, v.to(v_flat.dtype))
         out = self.kernels.attention(q, k_flat, v_flat, plan, self.scale)  # [T, H, hd]
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))

@@ -52,6 +52,19 @@ def as_index(ids: list[int]) -> Index:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def take(t: torch.Tensor, index: Index) -> torch.Tensor:
+    """t[index] along dim 0 (index_select for ids: a much faster gather than advanced indexing on CPU)."""
+    return t[index] if isinstance(index, slice) else t.index_select(0, index)
+
+
+def put(t: torch.Tensor, index: Index, src: torch.Tensor) -> None:
+    """t[index] = src along dim 0, in place."""
+    if isinstance(index, slice):
+        t[index] = src
+    else:
+        t.index_copy_(0, index, src.to(t.dtype))
+
+
 @dataclass(frozen=True)
 class VerifyGroup:
     """The verify chunks (per_token_state_slots set) of one length L in a batch, for one Mamba pass.

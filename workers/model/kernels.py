@@ -61,15 +61,18 @@ def paged_attention_ref(
     q [T, H, hd], k_slots and v_slots [num_slots, Hkv, hd] (the pool, flat). Returns [T, H, hd]."""
     out = torch.empty_like(q)  # [T, H, hd]
     for g in plan.sdpa_groups:
-        qg = q[g.q_rows].transpose(1, 2)  # [b, H, n_max, hd]
-        k = k_slots[g.key_slots].to(q.dtype).transpose(1, 2)  # [b, Hkv, s_max, hd]
-        v = v_slots[g.key_slots].to(q.dtype).transpose(1, 2)  # [b, Hkv, s_max, hd]
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2)  # [b, n_max, H, hd]
-        if g.all_valid:
-            out.index_copy_(0, g.q_rows.flatten(), o.flatten(0, 1))
-        else:
-            out[g.q_rows[g.q_valid]] = o[g.q_valid]
+        b, n_max, s_max = g.mask.shape[0], g.mask.shape[2], g.mask.shape[3]
+        qg = q.index_select(0, g.q_rows.flatten()).view(b, n_max, *q.shape[1:])  # [b, n_max, H, hd]
+        k = k_slots.index_select(0, g.key_slots.flatten()).view(b, s_max, *k_slots.shape[1:])  # [b, s_max, Hkv, hd]
+        v = v_slots.index_select(0, g.key_slots.flatten()).view(b, s_max, *v_slots.shape[1:])  # [b, s_max, Hkv, hd]
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
+            attn_mask=g.mask, scale=scale, enable_gqa=True,
+        ).transpose(1, 2)  # [b, n_max, H, hd]
+        o = o.reshape(b * n_max, *q.shape[1:])  # [b * n_max, H, hd]
+        if g.valid_pos is not None:  # padded query rows: drop them
+            o = o.index_select(0, g.valid_pos)
+        out.index_copy_(0, g.out_rows, o)
     return out
 
 

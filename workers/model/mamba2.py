@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import Index, VerifyGroup
+from workers.model.forward_batch import Index, VerifyGroup, put, take
 from workers.model.kernels import KernelSet
 from workers.model.mamba_plan import MambaPlan, PrefillPlan
 from workers.model.norms import GatedRMSNorm
@@ -116,20 +116,20 @@ class Mamba2Mixer(nn.Module):
             ssm_pool[list(group.fresh_slots)] = 0
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         xbc, conv_states = causal_conv1d_states_ref(
-            xbc_raw[rows].view(nb, L, self.conv_dim), conv_pool[slots], weight, self.conv1d.bias, "silu"
+            take(xbc_raw, rows).view(nb, L, self.conv_dim), take(conv_pool, slots), weight, self.conv1d.bias, "silu"
         )  # [b, L, conv_dim], [b, L, conv_dim, d_conv-1]
         x, B, C = self._split_xbc(xbc.reshape(nb * L, self.conv_dim))
         y_group, ssm_states = selective_state_steps_ref(
-            ssm_pool[slots],
+            take(ssm_pool, slots),
             x.view(nb, L, self.nheads, self.head_dim),
-            dt[rows].view(nb, L, self.nheads),
+            take(dt, rows).view(nb, L, self.nheads),
             A,
             B.view(nb, L, self.ngroups, self.d_state),
             C.view(nb, L, self.ngroups, self.d_state),
             self.D,
             ssm_pool.dtype,
         )  # [b, L, H, P], [b, L, H, P, N]
-        y[rows] = y_group.view(nb * L, self.nheads, self.head_dim)
+        put(y, rows, y_group.view(nb * L, self.nheads, self.head_dim))
         _write(conv_pool, dst, conv_states)
         _write(ssm_pool, dst, ssm_states)
         _write(conv_pool, slots, conv_states[:, -1:])  # last: a per-token slot may be the state slot
@@ -148,15 +148,16 @@ class Mamba2Mixer(nn.Module):
         """All prefill chunks at once (varlen): y rows filled, each chunk's final state in its slot."""
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         keep = p.has_state[:, None, None]  # [n, 1, 1]; where(), not a product: a fresh slot may hold NaN
-        conv0 = torch.where(keep, conv_pool[p.slots], 0)  # [n, conv_dim, d_conv-1]
-        xbc, conv_final = self.kernels.conv1d(xbc_raw[p.rows], conv0, weight, self.conv1d.bias, p.seqs, "silu")
-        conv_pool[p.slots] = conv_final.to(conv_pool.dtype)  # [n, conv_dim, d_conv-1]
+        conv0 = torch.where(keep, conv_pool.index_select(0, p.slots), 0)  # [n, conv_dim, d_conv-1]
+        xbc, conv_final = self.kernels.conv1d(take(xbc_raw, p.rows), conv0, weight, self.conv1d.bias, p.seqs, "silu")
+        conv_pool.index_copy_(0, p.slots, conv_final.to(conv_pool.dtype))  # [n, conv_dim, d_conv-1]
         x, B, C = self._split_xbc(xbc)  # [T_p, H, P], [T_p, G, N], [T_p, G, N]
-        h0 = torch.where(keep[..., None], ssm_pool[p.slots].float(), 0)  # [n, H, P, N]
-        y[p.rows], final = self.kernels.ssd_scan(
-            x, dt[p.rows], A, B, C, self.chunk_size, self.D, p.seqs, h0, p.with_state
+        h0 = torch.where(keep[..., None], ssm_pool.index_select(0, p.slots).float(), 0)  # [n, H, P, N]
+        y_p, final = self.kernels.ssd_scan(
+            x, take(dt, p.rows), A, B, C, self.chunk_size, self.D, p.seqs, h0, p.with_state
         )  # [T_p, H, P], [n, H, P, N]
-        ssm_pool[p.slots] = final.to(ssm_pool.dtype)
+        put(y, p.rows, y_p)
+        ssm_pool.index_copy_(0, p.slots, final.to(ssm_pool.dtype))
 
     def forward(
         self, hidden: torch.Tensor, plan: MambaPlan, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
@@ -173,7 +174,7 @@ class Mamba2Mixer(nn.Module):
             if d.fresh_slots is not None:
                 conv_pool.index_fill_(0, d.fresh_slots, 0)
                 ssm_pool.index_fill_(0, d.fresh_slots, 0)
-            y[d.rows] = self._step(xbc_raw[d.rows], dt[d.rows], A, d.slots, conv_pool, ssm_pool)
+            put(y, d.rows, self._step(take(xbc_raw, d.rows), take(dt, d.rows), A, d.slots, conv_pool, ssm_pool))
         for group in plan.verify:
             self._verify(group, xbc_raw, dt, A, y, conv_pool, ssm_pool)
         if plan.prefill is not None:

@@ -28,10 +28,10 @@ class SdpaGroup:
     """Chunks attending in one padded SDPA call: b chunks, n_max query rows, s_max keys."""
 
     q_rows: torch.Tensor  # int64 [b, n_max]: row of T of each query (padding repeats the chunk's last row)
-    q_valid: torch.Tensor  # bool [b, n_max]
     key_slots: torch.Tensor  # int64 [b, s_max]: flat KV slot of each key position
     mask: torch.Tensor  # bool [b, 1, n_max, s_max]: causal, bottom-right aligned per chunk
-    all_valid: bool  # no padded query rows: scatter back with q_rows directly
+    valid_pos: torch.Tensor | None  # int64: positions of real queries in the flattened [b * n_max] (None: all)
+    out_rows: torch.Tensor  # int64: row of T of each real query, in that order
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,10 @@ class PagedPlan:
         q_pos = (total - new)[:, None] + torch.minimum(r, new[:, None] - 1)  # [b, n_max]
         mask = torch.arange(s_max)[None, None] <= q_pos[..., None]  # [b, n_max, s_max]
         d = self.device
-        return SdpaGroup(q_rows.to(d), q_valid.to(d), self.read_slots[idx.to(d), :s_max],
-                         mask[:, None].to(d), bool(q_valid.all()))
+        flat_valid = q_valid.flatten()
+        valid_pos = None if bool(flat_valid.all()) else torch.nonzero(flat_valid)[:, 0].to(d)
+        return SdpaGroup(q_rows.to(d), self.read_slots[idx.to(d), :s_max], mask[:, None].to(d), valid_pos,
+                         q_rows.flatten()[flat_valid].to(d))
 
 
 def _cumsum(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:

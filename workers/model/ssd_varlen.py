@@ -30,14 +30,14 @@ def causal_conv1d_varlen_ref(
     channels, K = weight.shape
     layout = seqs.conv_layout(K)
     states = conv_states.to(x.dtype).transpose(1, 2).reshape(-1, channels)  # [n*(K-1), C_]
-    ext = torch.cat([states, x])[layout.ext_rows]  # [T + n*(K-1), C_]
+    ext = torch.cat([states, x]).index_select(0, layout.ext_rows)  # [T + n*(K-1), C_]
     y = F.conv1d(ext.t()[None].to(weight.dtype), weight[:, None, :], bias, groups=channels)[0]  # [C_, ext-K+1]
-    y = y[:, layout.out_cols]  # [C_, T]
+    y = y.index_select(1, layout.out_cols)  # [C_, T]
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    final = ext[layout.final_rows].transpose(1, 2)  # [n, C_, K-1]
+    final = ext.index_select(0, layout.final_rows.flatten()).view(-1, K - 1, channels).transpose(1, 2)  # [n, C_, K-1]
     return y.t().to(x.dtype), final
 
 
@@ -67,7 +67,9 @@ def ssd_varlen_ref(
     B = B.float().repeat_interleave(H // G, dim=1)  # [T, H, N]
     C = C.float().repeat_interleave(H // G, dim=1)  # [T, H, N]
     # row T of each padded tensor is the zero row padded chunk positions read
-    xdt, Adt, B, C = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[layout.chunk_rows] for t in (xdt, Adt, B, C))
+    xdt, Adt, B, C = (
+        torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, layout.chunk_rows) for t in (xdt, Adt, B, C)
+    )
     nc = layout.chunk_rows.shape[0] // l
     xdt = xdt.view(nc, l, H, P)  # [c, l, H, P]
     B = B.view(nc, l, H, N)  # [c, l, H, N]
@@ -92,12 +94,12 @@ def ssd_varlen_ref(
     chunk_decay = torch.exp(segsum(F.pad(chunk_decay_end, (1, 0))))  # [n, H, m+1, m+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)  # [n, m+1, H, P, N]
     final_states = states[:, -1]  # [n, H, P, N]
-    start_states = states[:, :-1].reshape(n * m, H, P, N)[layout.chunk_slot]  # [c, H, P, N]
+    start_states = states[:, :-1].reshape(n * m, H, P, N).index_select(0, layout.chunk_slot)  # [c, H, P, N]
 
     # 4. state -> output for each chunk's tokens
     decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
     y_off = torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)  # [c, l, H, P]
-    y = (y_diag + y_off).reshape(nc * l, H, P)[layout.token_pos]  # [T, H, P]
+    y = (y_diag + y_off).reshape(nc * l, H, P).index_select(0, layout.token_pos)  # [T, H, P]
     if D is not None:
         y = y + D.float()[:, None] * x
     return y, final_states
