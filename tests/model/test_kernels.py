@@ -13,6 +13,7 @@ from workers.model.errors import KernelUnavailableError
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 from workers.model.kernels import TORCH_KERNELS, attention_ref, missing_cuda_packages, select_kernels
 from workers.model.paged_plan import PagedPlan
+from workers.model.ssd import selective_state_update_ref
 from workers.model.varlen import VarlenSeqs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -57,6 +58,23 @@ def test_attention_ref_is_bottom_right_causal():
         kk, vv = k[: 5 + i].repeat_interleave(2, 1), v[: 5 + i].repeat_interleave(2, 1)
         w = torch.softmax(torch.einsum("hd,shd->hs", q[i], kk) * 8**-0.5, -1)
         torch.testing.assert_close(out[i], torch.einsum("hs,shd->hd", w, vv), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_state_update_equals_reference():
+    g = torch.Generator().manual_seed(4)
+    Bsz, H, P, G, N = 5, 6, 4, 3, 8
+    pool = torch.randn(9, H, P, N, generator=g)
+    slots = torch.tensor([7, 0, 3, 8, 2])
+    x, dt = torch.randn(Bsz, H, P, generator=g), torch.rand(Bsz, H, generator=g)
+    A, D = -torch.rand(H, generator=g), torch.randn(H, generator=g)
+    B, C = torch.randn(Bsz, G, N, generator=g), torch.randn(Bsz, G, N, generator=g)
+    ref_pool, before = pool.clone(), pool.clone()
+    y = TORCH_KERNELS.state_update(pool, slots, x, dt, A, B, C, D)
+    torch.testing.assert_close(y, selective_state_update_ref(ref_pool, slots, x, dt, A, B, C, D), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, ref_pool, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(pool[slots], before[slots])  # the states really advanced
+    others = [s for s in range(9) if s not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])  # and no other slot was touched
 
 
 def test_paged_attention_ref_equals_attention_ref_per_chunk():

@@ -135,6 +135,7 @@ class ForwardBatch:
         if total != self.num_tokens:
             raise ForwardBatchError(f"chunks hold {total} new tokens but input_ids has {self.num_tokens}")
         seen_slots: set[int] = set()
+        used_tables: list[torch.Tensor] = []
         for i, c in enumerate(self.chunks):
             if c.num_new_tokens < 1 or c.num_context_tokens < 0:
                 raise ForwardBatchError(
@@ -148,11 +149,7 @@ class ForwardBatch:
                         f"chunk {i}: block_table covers {c.block_table.numel()} blocks, "
                         f"positions [0, {c.num_total_tokens}) need {need} of {block_size}"
                     )
-                used = c.block_table[:need]
-                if num_blocks is not None and need and (used.min() < 0 or used.max() >= num_blocks):
-                    raise ForwardBatchError(
-                        f"chunk {i}: block ids {used.tolist()} outside pool of {num_blocks}"
-                    )
+                used_tables.append(c.block_table[:need])
             if num_state_slots is not None:
                 slots = [c.state_slot, *(c.per_token_state_slots or ())]
                 if c.per_token_state_slots is not None and len(c.per_token_state_slots) != c.num_new_tokens:
@@ -168,3 +165,8 @@ class ForwardBatch:
                 if c.state_slot in seen_slots:
                     raise ForwardBatchError(f"chunk {i}: state slot {c.state_slot} used twice in one batch")
                 seen_slots.add(c.state_slot)
+        if num_blocks is not None and used_tables:
+            used = torch.cat(used_tables)  # one range check for the whole batch; find the culprit only on failure
+            if used.numel() and (used.min() < 0 or used.max() >= num_blocks):
+                i = next(i for i, t in enumerate(used_tables) if t.numel() and (t.min() < 0 or t.max() >= num_blocks))
+                raise ForwardBatchError(f"chunk {i}: block ids {used_tables[i].tolist()} outside pool of {num_blocks}")

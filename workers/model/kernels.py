@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from workers.model.errors import KernelUnavailableError
 from workers.model.paged_plan import PagedPlan
-from workers.model.ssd import conv1d_update_ref, selective_state_update_ref
+from workers.model.ssd import conv1d_update_ref
 from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
 from workers.model.varlen import VarlenSeqs
 
@@ -76,6 +76,24 @@ def paged_attention_ref(
     return out
 
 
+def state_update_torch(ssm_pool, slots, x, dt, A, B, C, D=None):
+    """selective_state_update_ref in fewer passes over the [B, H, P, N] states (the decode hot spot on CPU):
+    in-place decay, the input outer product per group with addcmul_, y as a product-sum per group.
+    Equal to the reference up to float reassociation (tests/model/test_kernels.py)."""
+    Bsz, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    state = ssm_pool.index_select(0, slots).float()  # [B, H, P, N]: a copy
+    dt = dt.float()
+    state.mul_(torch.exp(dt * A.float())[..., None, None])
+    grouped = state.view(Bsz, G, H // G * P, N)  # heads of a group share B and C
+    grouped.addcmul_((x.float() * dt[..., None]).view(Bsz, G, H // G * P, 1), B.float()[:, :, None, :])
+    ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
+    y = (grouped * C.float()[:, :, None, :]).sum(-1).view(Bsz, H, P)  # [B, H, P]
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y
+
+
 def ssd_varlen_torch(x, dt, A, B, C, chunk_size, D, seqs: VarlenSeqs, initial_states, with_state=()):
     del with_state  # the reference takes every sequence's initial state (zeros for fresh ones)
     return ssd_varlen_ref(x, dt, A, B, C, chunk_size, D, seqs, initial_states)
@@ -103,7 +121,7 @@ class KernelSet:
 
 
 TORCH_KERNELS = KernelSet(
-    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_ref, selective_state_update_ref,
+    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_ref, state_update_torch,
     paged_attention_ref,
 )
 
