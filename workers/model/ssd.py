@@ -132,7 +132,7 @@ def conv1d_update_ref(
     xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C_, K]
     y = (xs.to(weight.dtype) * weight[None]).sum(-1)  # [B, C_]
     y = _bias_activation(y, bias, activation)
-    conv_pool.index_copy_(0, slots, xs[:, :, 1:].to(conv_pool.dtype))
+    conv_pool.index_copy_(0, slots, xs[:, :, 1:].to(conv_pool.dtype).contiguous())  # contiguous: faster scatter
     return y.to(x.dtype)
 
 
