@@ -1,5 +1,6 @@
 """`python -m bench.engine`: cold vs warm TTFT on an identical long resend, and greedy decode speed
-with MTP speculation (k=3) vs without, as JSON (ratios within one run).
+with MTP speculation (k=3) vs without, as JSON (ratios within one run). With `--concurrency 1,4,16,32`
+it measures output tokens/s at each concurrency level instead (bench/concurrency.py).
 
 Decode: prompts are windows of held-out stdlib text (the train-tiny split); for each repetition and
 prompt the k=0 and k=3 engines run back to back (order alternating) with a fresh cache salt, and the
@@ -96,6 +97,16 @@ def measure_decode(model, k: int, num_tokens: int, eagle: str, prompts: list[lis
             "outputs_equal": outputs[0] == outputs[k]}
 
 
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be positive, got {text!r}")
+    return levels
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
     p.add_argument("--model", default=TRAINED, help=f"checkpoint dir, or 'random' (default {TRAINED})")
@@ -106,8 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prompt-len", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--eagle", default="lossless", choices=["drop", "lossless"])
+    p.add_argument("--concurrency", type=_levels, default=None,
+                   help="comma-separated levels, e.g. 1,4,16,32: output tokens/s per level (only this)")
+    p.add_argument("--concurrency-spec-tokens", type=int, default=0,
+                   help="MTP draft tokens per step in the concurrency runs (default 0: plain decode)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     from workers.model.loader import load_model
 
     model_dir = args.model
@@ -118,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         init_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
     model = load_model(model_dir)
     report = {"model": model_dir, "torch_threads": torch.get_num_threads()}
+    if args.concurrency:
+        from bench.concurrency import measure_concurrency
+
+        prompts = decode_prompts(max(args.concurrency), args.decode_prompt_len, model.config.vocab_size)
+        report["concurrency"] = measure_concurrency(model, args.concurrency, prompts, args.decode_tokens,
+                                                    args.decode_repeats, args.concurrency_spec_tokens, args.eagle)
+        print(json.dumps(report, indent=2))
+        return 0
     report["resend"] = measure_ttft(model, args.prompt_len, args.repeats, args.eagle, 3, args.prompt_len + 64)
     prompts = decode_prompts(args.decode_prompts, args.decode_prompt_len, model.config.vocab_size)
     report["decode"] = measure_decode(model, 3, args.decode_tokens, args.eagle, prompts, args.decode_repeats)

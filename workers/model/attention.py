@@ -10,41 +10,19 @@ sequence lives in block block_table[p // block_size] at offset p % block_size, i
     positions  0 1 2 3 | 4 5 6 7 | 8 9 .  .        block_size 4, block_table [7, 2, 5]
     slots     28 ...31 | 8 ... 11| 20 21            new tokens at 8, 9 are written to slots 20, 21
 
-A step first writes every new token's K/V into its slot, then each chunk's queries attend causally over
-positions [0, context + new) gathered through its block table.
+A step first writes every new token's K/V into its slot, then every chunk's queries attend causally over
+its positions [0, context + new) in one varlen kernel call for the whole batch (paged_plan.PagedPlan holds
+the step's slots and cu_seqlens, built once and shared by every layer).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import ForwardBatch
 from workers.model.kernels import KernelSet
-
-
-@dataclass(frozen=True)
-class PagedPlan:
-    """Slot indices of one batch for one pool block size; built once per step, shared by all layers."""
-
-    rows: tuple[slice, ...]  # rows of [T, ...] per chunk
-    write_slots: torch.Tensor  # int64 [T]: flat slot of each new token
-    read_slots: tuple[torch.Tensor, ...]  # per chunk int64 [context + new]: flat slots of positions 0..
-    positions: torch.Tensor  # int64 [T]: position of each new token in its sequence (RoPE)
-
-    @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
-        reads = []
-        for chunk in batch.chunks:
-            pos = torch.arange(chunk.num_total_tokens)  # [S]
-            table = chunk.block_table.to("cpu", torch.long)
-            reads.append((table[pos // block_size] * block_size + pos % block_size).to(device))  # [S]
-        writes = torch.cat([r[c.num_context_tokens :] for r, c in zip(reads, batch.chunks)])  # [T]
-        positions = torch.cat([torch.arange(c.num_context_tokens, c.num_total_tokens) for c in batch.chunks])
-        return cls(tuple(batch.row_slices()), writes, tuple(reads), positions.to(device))
+from workers.model.paged_plan import PagedPlan
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
@@ -92,11 +70,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
-        k_flat[plan.write_slots] = k.to(k_flat.dtype)
-        v_flat[plan.write_slots] = v.to(v_flat.dtype)
-        out = torch.empty_like(q)  # [T, H, hd]
-        for rows, read in zip(plan.rows, plan.read_slots):
-            keys = k_flat[read].to(q.dtype)  # [S, Hkv, hd]
-            values = v_flat[read].to(q.dtype)  # [S, Hkv, hd]
-            out[rows] = self.kernels.attention(q[rows], keys, values, self.scale)
+        k_flat.index_copy_(0, plan.write_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, plan.write_slots, v.to(v_flat.dtype))
+        out = self.kernels.attention(q, k_flat, v_flat, plan, self.scale)  # [T, H, hd]
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))

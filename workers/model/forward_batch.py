@@ -52,6 +52,19 @@ def as_index(ids: list[int]) -> Index:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def take(t: torch.Tensor, index: Index) -> torch.Tensor:
+    """t[index] along dim 0 (index_select for ids: a much faster gather than advanced indexing on CPU)."""
+    return t[index] if isinstance(index, slice) else t.index_select(0, index)
+
+
+def put(t: torch.Tensor, index: Index, src: torch.Tensor) -> None:
+    """t[index] = src along dim 0, in place."""
+    if isinstance(index, slice):
+        t[index] = src
+    else:
+        t.index_copy_(0, index, src.to(t.dtype))
+
+
 @dataclass(frozen=True)
 class VerifyGroup:
     """The verify chunks (per_token_state_slots set) of one length L in a batch, for one Mamba pass.
@@ -135,6 +148,7 @@ class ForwardBatch:
         if not 0 <= self.num_prompt_tokens <= total:
             raise ForwardBatchError(f"num_prompt_tokens={self.num_prompt_tokens} outside [0, {total}]")
         seen_slots: set[int] = set()
+        used_tables: list[torch.Tensor] = []
         for i, c in enumerate(self.chunks):
             if c.num_new_tokens < 1 or c.num_context_tokens < 0:
                 raise ForwardBatchError(
@@ -148,11 +162,7 @@ class ForwardBatch:
                         f"chunk {i}: block_table covers {c.block_table.numel()} blocks, "
                         f"positions [0, {c.num_total_tokens}) need {need} of {block_size}"
                     )
-                used = c.block_table[:need]
-                if num_blocks is not None and need and (used.min() < 0 or used.max() >= num_blocks):
-                    raise ForwardBatchError(
-                        f"chunk {i}: block ids {used.tolist()} outside pool of {num_blocks}"
-                    )
+                used_tables.append(c.block_table[:need])
             if num_state_slots is not None:
                 slots = [c.state_slot, *(c.per_token_state_slots or ())]
                 if c.per_token_state_slots is not None and len(c.per_token_state_slots) != c.num_new_tokens:
@@ -168,3 +178,8 @@ class ForwardBatch:
                 if c.state_slot in seen_slots:
                     raise ForwardBatchError(f"chunk {i}: state slot {c.state_slot} used twice in one batch")
                 seen_slots.add(c.state_slot)
+        if num_blocks is not None and used_tables:
+            used = torch.cat(used_tables)  # one range check for the whole batch; find the culprit only on failure
+            if used.numel() and (used.min() < 0 or used.max() >= num_blocks):
+                i = next(i for i, t in enumerate(used_tables) if t.numel() and (t.min() < 0 or t.max() >= num_blocks))
+                raise ForwardBatchError(f"chunk {i}: block ids {used_tables[i].tolist()} outside pool of {num_blocks}")

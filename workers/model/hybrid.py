@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from workers.model import caches as cache_mod
-from workers.model.attention import PagedAttention, PagedPlan
+from workers.model.attention import PagedAttention
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch, ForwardCounts
 from workers.model.kernels import TORCH_KERNELS, KernelSet
 from workers.model.mamba2 import Mamba2Mixer
+from workers.model.mamba_plan import MambaPlan
 from workers.model.mlp import make_mlp
 from workers.model.moe import MoE
 from workers.model.norms import RMSNorm
+from workers.model.paged_plan import PagedPlan
 
 
 def make_mixer(config: HybridModelConfig, kind: LayerKind, kernels: KernelSet) -> nn.Module:
@@ -105,7 +107,9 @@ class HybridForCausalLM(nn.Module):
         )
         self.forward_counts = ForwardCounts(self.forward_counts.num_tokens + batch.num_tokens,
                                             self.forward_counts.num_prompt_tokens + batch.num_prompt_tokens)
+        # one plan per kind for the whole step: every layer runs once over all chunks (varlen)
         plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
+        mamba_plan = MambaPlan.build(batch, self.device) if caches.conv else None
         c = self.config
         h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]
         if c.embedding_multiplier != 1.0:
@@ -113,7 +117,7 @@ class HybridForCausalLM(nn.Module):
         for i, block in enumerate(self.model.layers):
             x = block.norm(h)  # [T, hidden]
             if block.kind is LayerKind.MAMBA:
-                x = block.mixer(x, batch, caches.conv[i], caches.ssm[i])
+                x = block.mixer(x, mamba_plan, caches.conv[i], caches.ssm[i])
             elif block.kind is LayerKind.ATTENTION:
                 x = block.mixer(x, caches.kv[i], plan)
             else:

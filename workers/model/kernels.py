@@ -1,12 +1,14 @@
-"""Kernel choice: `auto | torch | cuda` -> a `KernelSet` of four functions the layers call.
+"""Kernel choice: `auto | torch | cuda` -> a `KernelSet` of five functions the layers call, each over the
+whole batch of one step (varlen: packed sequences with per-sequence metadata, see varlen.py / paged_plan.py).
 
-- `torch`: the references in ssd.py plus torch SDPA. Runs anywhere.
-- `cuda`:  mamba_ssm (SSD scan, selective state update), causal_conv1d (conv update), flash_attn.
+- `torch`: the references in ssd.py / ssd_varlen.py plus torch SDPA (grouped, padded). Runs anywhere.
+- `cuda`:  mamba_ssm (SSD scan with seq_idx / cu_seqlens, selective state update), causal_conv1d
+           (varlen conv with seq_idx, conv update), flash_attn (flash_attn_varlen_func with cu_seqlens).
            A missing package or no CUDA device raises KernelUnavailableError; never a silent fallback.
 - `auto`:  `cuda` if every package is installed AND the model lives on a CUDA device, else `torch`.
 
-The choice is logged once per (choice, device). Prefill conv always uses the torch reference (a depthwise
-conv is cheap; the state bookkeeping is ours). The CUDA wrappers are kept thin and only run on GPU tests.
+The choice is logged once per (choice, device). The CUDA wrappers are kept thin and only run on GPU tests
+(tests/model/test_kernels.py, marked gpu).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from workers.model.errors import KernelUnavailableError
-from workers.model.ssd import conv1d_update_ref, selective_state_update_ref, ssd_chunk_scan_ref
+from workers.model.paged_plan import PagedPlan
+from workers.model.ssd import conv1d_update_ref
+from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
+from workers.model.varlen import VarlenSeqs
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +52,77 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out.transpose(0, 1)
 
 
+def paged_attention_ref(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: PagedPlan, scale: float
+) -> torch.Tensor:
+    """Every chunk's queries over its own positions [0, S_i) of the paged pool, one SDPA per group of
+    chunks (plan.sdpa_groups); each chunk equals attention_ref on its gathered keys.
+
+    q [T, H, hd], k_slots and v_slots [num_slots, Hkv, hd] (the pool, flat). Returns [T, H, hd]."""
+    out = torch.empty_like(q)  # [T, H, hd]
+    for g in plan.sdpa_groups:
+        b, n_max, s_max = g.mask.shape[0], g.mask.shape[2], g.mask.shape[3]
+        qg = q.index_select(0, g.q_rows.flatten()).view(b, n_max, *q.shape[1:])  # [b, n_max, H, hd]
+        k = k_slots.index_select(0, g.key_slots.flatten()).view(b, s_max, *k_slots.shape[1:])  # [b, s_max, Hkv, hd]
+        v = v_slots.index_select(0, g.key_slots.flatten()).view(b, s_max, *v_slots.shape[1:])  # [b, s_max, Hkv, hd]
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
+            attn_mask=g.mask, scale=scale, enable_gqa=True,
+        ).transpose(1, 2)  # [b, n_max, H, hd]
+        o = o.reshape(b * n_max, *q.shape[1:])  # [b * n_max, H, hd]
+        if g.valid_pos is not None:  # padded query rows: drop them
+            o = o.index_select(0, g.valid_pos)
+        out.index_copy_(0, g.out_rows, o)
+    return out
+
+
+def state_update_torch(ssm_pool, slots, x, dt, A, B, C, D=None):
+    """selective_state_update_ref in fewer passes over the [B, H, P, N] states (the decode hot spot on CPU):
+    in-place decay, the input outer product per group with addcmul_, y as a product-sum per group.
+    Equal to the reference up to float reassociation (tests/model/test_kernels.py)."""
+    Bsz, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    state = ssm_pool.index_select(0, slots).float()  # [B, H, P, N]: a copy
+    dt = dt.float()
+    state.mul_(torch.exp(dt * A.float())[..., None, None])
+    grouped = state.view(Bsz, G, H // G * P, N)  # heads of a group share B and C
+    grouped.addcmul_((x.float() * dt[..., None]).view(Bsz, G, H // G * P, 1), B.float()[:, :, None, :])
+    ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
+    y = (grouped * C.float()[:, :, None, :]).sum(-1).view(Bsz, H, P)  # [B, H, P]
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y
+
+
+def ssd_varlen_torch(x, dt, A, B, C, chunk_size, D, seqs: VarlenSeqs, initial_states, with_state=()):
+    del with_state  # the reference takes every sequence's initial state (zeros for fresh ones)
+    return ssd_varlen_ref(x, dt, A, B, C, chunk_size, D, seqs, initial_states)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """The functions layers call; signatures are those of the torch references.
 
-    ssd_scan(x, dt, A, B, C, chunk_size, D, initial_state) -> (y, final_state)        ssd.ssd_chunk_scan_ref
+    ssd_scan(x, dt, A, B, C, chunk_size, D, seqs, initial_states, with_state) -> (y, final_states)
+        ssd_varlen.ssd_varlen_ref; with_state: the sequences whose initial state is not zero
+    conv1d(x, conv_states, weight, bias, seqs, activation) -> (y, final_states)
+        ssd_varlen.causal_conv1d_varlen_ref
     conv1d_update(x, conv_pool, slots, weight, bias, activation) -> y (pool in place)  ssd.conv1d_update_ref
     state_update(ssm_pool, slots, x, dt, A, B, C, D) -> y (pool in place)    ssd.selective_state_update_ref
-    attention(q, k, v, scale) -> out                                                   attention_ref
+    attention(q, k_slots, v_slots, plan, scale) -> out                                 paged_attention_ref
     """
 
     name: str
     ssd_scan: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    conv1d: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     conv1d_update: Callable[..., torch.Tensor]
     state_update: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
 
 
 TORCH_KERNELS = KernelSet(
-    "torch", ssd_chunk_scan_ref, conv1d_update_ref, selective_state_update_ref, attention_ref
+    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_ref, state_update_torch,
+    paged_attention_ref,
 )
 
 
@@ -79,20 +136,28 @@ def _cuda_kernels() -> KernelSet:
     conv = importlib.import_module("causal_conv1d")
     flash = importlib.import_module("flash_attn")
 
-    def ssd_scan(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-        init = None if initial_state is None else initial_state[None].float()
+    def ssd_scan(x, dt, A, B, C, chunk_size, D, seqs, initial_states, with_state=()):
+        # mamba_ssm's varlen mode takes one initial state per batch row, not per sequence: scan from
+        # zeros with seq_idx, then add the initial states' (linear) contribution
         y, final = ssd_combined.mamba_chunk_scan_combined(
-            x[None],
-            dt[None],
-            A,
-            B[None],
-            C[None],
-            chunk_size,
-            D=D,
-            initial_states=init,
-            return_final_states=True,
-        )  # y [1, L, H, P], final [1, H, P, N]
-        return y[0], final[0]
+            x[None], dt[None], A, B[None], C[None], chunk_size, D=D,
+            seq_idx=seqs.seq_idx[None], cu_seqlens=seqs.cu_seqlens, return_varlen_states=True,
+        )  # y [1, T, H, P], final [n, H, P, N]
+        y, final = y[0].float(), final.float()
+        add_initial_state_contribution(y, final, dt, A, C, seqs, initial_states, list(with_state))
+        return y, final
+
+    def conv1d(x, conv_states, weight, bias, seqs, activation="silu"):
+        # each sequence's state columns go in front of its tokens (causal_conv1d_fn takes no initial
+        # states together with seq_idx); see varlen.ConvLayout
+        channels, K = weight.shape
+        layout = seqs.conv_layout(K)
+        states = conv_states.to(x.dtype).transpose(1, 2).reshape(-1, channels)  # [n*(K-1), C_]
+        ext = torch.cat([states, x])[layout.ext_rows]  # [E, C_]
+        y = conv.causal_conv1d_fn(
+            ext.t()[None], weight, bias, seq_idx=layout.ext_seq_idx[None], activation=activation
+        )  # [1, C_, E] (channel-last)
+        return y[0].t()[layout.out_cols + K - 1], ext[layout.final_rows].transpose(1, 2)
 
     def conv1d_update(x, conv_pool, slots, weight, bias, activation="silu"):
         return conv.causal_conv1d_update(
@@ -113,13 +178,18 @@ def _cuda_kernels() -> KernelSet:
             state_batch_indices=slots,
         )  # [B, H, P]
 
-    def attention(q, k, v, scale):
-        # flash-attn takes fp16/bf16 only: a float32 model attends in bf16 and casts back
+    def attention(q, k_slots, v_slots, plan, scale):
+        # flash-attn takes fp16/bf16 only: a float32 model attends in bf16 and casts back. Its paged
+        # mode needs pages of 256 tokens; ours are smaller, so keys are gathered packed (cu_seqlens_k).
         dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        q16, k16, v16 = (t.to(dtype)[None] for t in (q, k, v))
-        return flash.flash_attn_func(q16, k16, v16, softmax_scale=scale, causal=True)[0].to(q.dtype)
+        k, v = k_slots[plan.packed_read_slots], v_slots[plan.packed_read_slots]  # [sum S_i, Hkv, hd]
+        out = flash.flash_attn_varlen_func(
+            q.to(dtype), k.to(dtype), v.to(dtype), plan.cu_seqlens_q, plan.cu_seqlens_k,
+            max(plan.num_new), max(plan.num_total), softmax_scale=scale, causal=True,
+        )  # [T, H, hd]; causal is bottom-right aligned when S_i > new_i
+        return out.to(q.dtype)
 
-    return KernelSet("cuda", ssd_scan, conv1d_update, state_update, attention)
+    return KernelSet("cuda", ssd_scan, conv1d, conv1d_update, state_update, attention)
 
 
 def select_kernels(choice: str = "auto", device: torch.device | str = "cpu") -> KernelSet:

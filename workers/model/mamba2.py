@@ -7,10 +7,12 @@
     out = out_proj(GatedRMSNorm(y, z))       (norm over ngroups groups, gate silu(z) applied first)
 
 Every chunk starts from its state slot (zeros when num_context_tokens == 0) and leaves its final state
-there. One-token chunks of the batch go through a single batched recurrence step (kernels.conv1d_update /
-state_update). Verify chunks (per_token_state_slots) of equal length go through one pass of the torch
-references causal_conv1d_states_ref / selective_state_steps_ref, whatever the kernel set: they return the
-state after every token, written straight into its per-token slot (one copy per pool and layer).
+there. Per step (mamba_plan.MambaPlan): one-token chunks go through a single batched recurrence step
+(kernels.conv1d_update / state_update); all prefill chunks through one varlen conv and one varlen SSD scan
+(kernels.conv1d / ssd_scan with cu_seqlens / seq_idx, an initial state per sequence). Verify chunks
+(per_token_state_slots) of equal length go through one pass of the torch references
+causal_conv1d_states_ref / selective_state_steps_ref, whatever the kernel set: they return the state after
+every token, written straight into its per-token slot (one copy per pool and layer).
 
 Note: transformers clamps dt only in its chunked path, not in its cached one-token step; we clamp in
 both, so decode here equals a full no-cache forward of the same prefix.
@@ -23,14 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import ForwardBatch, Index, VerifyGroup
+from workers.model.forward_batch import Index, VerifyGroup, put, take
 from workers.model.kernels import KernelSet
+from workers.model.mamba_plan import MambaPlan, PrefillPlan
 from workers.model.norms import GatedRMSNorm
-from workers.model.ssd import causal_conv1d_ref, causal_conv1d_states_ref, selective_state_steps_ref
-
-
-def _on(index: Index, device: torch.device) -> Index:
-    return index if isinstance(index, slice) else index.to(device)
+from workers.model.ssd import causal_conv1d_states_ref, selective_state_steps_ref
 
 
 def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
@@ -111,33 +110,57 @@ class Mamba2Mixer(nn.Module):
         """All tokens of a group's verify chunks at once: y rows filled, the state after every token
         written straight into its per-token slot (one copy per pool), the last one into state_slot."""
         nb, L = group.num_chunks, group.num_new_tokens
-        rows, slots, dst = (_on(i, xbc_raw.device) for i in (group.rows, group.state_slots, group.token_slots))
+        rows, slots, dst = group.rows, group.state_slots, group.token_slots
         if group.fresh_slots:
             conv_pool[list(group.fresh_slots)] = 0
             ssm_pool[list(group.fresh_slots)] = 0
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         xbc, conv_states = causal_conv1d_states_ref(
-            xbc_raw[rows].view(nb, L, self.conv_dim), conv_pool[slots], weight, self.conv1d.bias, "silu"
+            take(xbc_raw, rows).view(nb, L, self.conv_dim), take(conv_pool, slots), weight, self.conv1d.bias, "silu"
         )  # [b, L, conv_dim], [b, L, conv_dim, d_conv-1]
         x, B, C = self._split_xbc(xbc.reshape(nb * L, self.conv_dim))
         y_group, ssm_states = selective_state_steps_ref(
-            ssm_pool[slots],
+            take(ssm_pool, slots),
             x.view(nb, L, self.nheads, self.head_dim),
-            dt[rows].view(nb, L, self.nheads),
+            take(dt, rows).view(nb, L, self.nheads),
             A,
             B.view(nb, L, self.ngroups, self.d_state),
             C.view(nb, L, self.ngroups, self.d_state),
             self.D,
             ssm_pool.dtype,
         )  # [b, L, H, P], [b, L, H, P, N]
-        y[rows] = y_group.view(nb * L, self.nheads, self.head_dim)
+        put(y, rows, y_group.view(nb * L, self.nheads, self.head_dim))
         _write(conv_pool, dst, conv_states)
         _write(ssm_pool, dst, ssm_states)
         _write(conv_pool, slots, conv_states[:, -1:])  # last: a per-token slot may be the state slot
         _write(ssm_pool, slots, ssm_states[:, -1:])
 
+    def _prefill(
+        self,
+        p: PrefillPlan,
+        xbc_raw: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        y: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> None:
+        """All prefill chunks at once (varlen): y rows filled, each chunk's final state in its slot."""
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
+        keep = p.has_state[:, None, None]  # [n, 1, 1]; where(), not a product: a fresh slot may hold NaN
+        conv0 = torch.where(keep, conv_pool.index_select(0, p.slots), 0)  # [n, conv_dim, d_conv-1]
+        xbc, conv_final = self.kernels.conv1d(take(xbc_raw, p.rows), conv0, weight, self.conv1d.bias, p.seqs, "silu")
+        conv_pool.index_copy_(0, p.slots, conv_final.to(conv_pool.dtype))  # [n, conv_dim, d_conv-1]
+        x, B, C = self._split_xbc(xbc)  # [T_p, H, P], [T_p, G, N], [T_p, G, N]
+        h0 = torch.where(keep[..., None], ssm_pool.index_select(0, p.slots).float(), 0)  # [n, H, P, N]
+        y_p, final = self.kernels.ssd_scan(
+            x, take(dt, p.rows), A, B, C, self.chunk_size, self.D, p.seqs, h0, p.with_state
+        )  # [T_p, H, P], [n, H, P, N]
+        put(y, p.rows, y_p)
+        ssm_pool.index_copy_(0, p.slots, final.to(ssm_pool.dtype))
+
     def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+        self, hidden: torch.Tensor, plan: MambaPlan, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T, hidden_size] (normed) -> [T, hidden_size]; updates the chunks' state slots in place."""
         T = hidden.shape[0]
@@ -145,41 +168,16 @@ class Mamba2Mixer(nn.Module):
         z, xbc_raw, dt_raw = torch.split(proj, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(min=self.dt_min, max=self.dt_max)  # [T, H]
         A = -torch.exp(self.A_log.float())  # [H]
-        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, d_conv]
         y = torch.empty(T, self.nheads, self.head_dim, dtype=torch.float32, device=hidden.device)  # [T, H, P]
-        rows = batch.row_slices()
-        device = hidden.device
-
-        decodes = [
-            i for i, c in enumerate(batch.chunks) if c.num_new_tokens == 1 and c.per_token_state_slots is None
-        ]
-        decode_set = set(decodes)
-        if decodes:
-            fresh = [batch.chunks[i].state_slot for i in decodes if batch.chunks[i].num_context_tokens == 0]
-            if fresh:
-                conv_pool[fresh] = 0
-                ssm_pool[fresh] = 0
-            idx = torch.tensor([rows[i].start for i in decodes], device=device)  # [B]
-            slots = torch.tensor([batch.chunks[i].state_slot for i in decodes], device=device)  # [B]
-            y[idx] = self._step(xbc_raw[idx], dt[idx], A, slots, conv_pool, ssm_pool)
-
-        for group in batch.verify_groups:
+        if plan.decode is not None:
+            d = plan.decode
+            if d.fresh_slots is not None:
+                conv_pool.index_fill_(0, d.fresh_slots, 0)
+                ssm_pool.index_fill_(0, d.fresh_slots, 0)
+            put(y, d.rows, self._step(take(xbc_raw, d.rows), take(dt, d.rows), A, d.slots, conv_pool, ssm_pool))
+        for group in plan.verify:
             self._verify(group, xbc_raw, dt, A, y, conv_pool, ssm_pool)
-
-        for i, chunk in enumerate(batch.chunks):
-            if i in decode_set or chunk.per_token_state_slots is not None:
-                continue
-            r, slot = rows[i], chunk.state_slot
-            has_context = chunk.num_context_tokens > 0
-            xbc, conv_state = causal_conv1d_ref(
-                xbc_raw[r], weight, self.conv1d.bias, conv_pool[slot] if has_context else None, "silu"
-            )  # [L, conv_dim], [conv_dim, d_conv-1]
-            conv_pool[slot] = conv_state.to(conv_pool.dtype)
-            x, B, C = self._split_xbc(xbc)
-            y[r], final = self.kernels.ssd_scan(
-                x, dt[r], A, B, C, self.chunk_size, self.D, ssm_pool[slot] if has_context else None
-            )  # [L, H, P], [H, P, N]
-            ssm_pool[slot] = final.to(ssm_pool.dtype)
-
+        if plan.prefill is not None:
+            self._prefill(plan.prefill, xbc_raw, dt, A, y, conv_pool, ssm_pool)
         out = self.norm(y.view(T, self.d_inner), z)  # [T, d_inner]
         return self.out_proj(out.to(hidden.dtype))  # [T, hidden_size]

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.attention import PagedPlan
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch
 from workers.model.hybrid import make_mixer
 from workers.model.kernels import KernelSet
 from workers.model.norms import RMSNorm
+from workers.model.paged_plan import PagedPlan
 
 
 class MTPLayer(nn.Module):

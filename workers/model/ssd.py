@@ -128,11 +128,11 @@ def conv1d_update_ref(
 ) -> torch.Tensor:
     """One decode token per sequence. x [B, C_], conv_pool [S, C_, K-1] (updated in place at `slots`),
     slots int64 [B] (distinct). Returns y [B, C_]."""
-    state = conv_pool[slots]  # [B, C_, K-1]
+    state = conv_pool.index_select(0, slots)  # [B, C_, K-1]; index_select: a fast gather on CPU
     xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C_, K]
     y = (xs.to(weight.dtype) * weight[None]).sum(-1)  # [B, C_]
     y = _bias_activation(y, bias, activation)
-    conv_pool[slots] = xs[:, :, 1:].to(conv_pool.dtype)
+    conv_pool.index_copy_(0, slots, xs[:, :, 1:].to(conv_pool.dtype).contiguous())  # contiguous: faster scatter
     return y.to(x.dtype)
 
 
@@ -152,15 +152,15 @@ def selective_state_update_ref(
     dt [B, H] (discretised), A [H], B and C [B, G, N], D [H] or None. Returns y [B, H, P] float32.
     """
     H, G = x.shape[1], B.shape[1]
-    state = ssm_pool[slots].float()  # [B, H, P, N]
+    state = ssm_pool.index_select(0, slots).float()  # [B, H, P, N]: a copy, updated in place below
     dt = dt.float()
     B = B.float().repeat_interleave(H // G, dim=1)  # [B, H, N]
     C = C.float().repeat_interleave(H // G, dim=1)  # [B, H, N]
     x = x.float()
     dA = torch.exp(dt * A.float()[None])  # [B, H]
     dBx = (dt[..., None] * x)[..., None] * B[:, :, None, :]  # [B, H, P, N]
-    state = state * dA[..., None, None] + dBx  # [B, H, P, N]
-    ssm_pool[slots] = state.to(ssm_pool.dtype)
+    state.mul_(dA[..., None, None]).add_(dBx)  # [B, H, P, N]
+    ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
     y = torch.einsum("bhpn,bhn->bhp", state, C)  # [B, H, P]
     if D is not None:
         y = y + D.float()[:, None] * x

@@ -1,0 +1,124 @@
+"""Per-step attention metadata over a paged KV pool: built once per forward, shared by every layer.
+
+Position p of chunk i lives in flat slot  table_i[p // block_size] * block_size + p % block_size.
+
+    read_slots  [n, S_max]  slots of positions 0 .. S_i - 1 of every chunk (0 past S_i: masked)
+    write_slots [T]         slot of every new token (positions context_i .. S_i - 1)
+    cu_seqlens_q / _k       [n + 1] int32: query rows and key positions per chunk (flash-attn varlen)
+
+The torch kernel runs SDPA once per *group* of chunks padded to the group's longest query and context
+(`sdpa_groups`): chunks are sorted by size and a group grows while its padded work stays within twice
+its real work, so 32 decodes attend in one call and a long prefill chunk does not pad them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from workers.model.forward_batch import ForwardBatch
+
+_SLACK = 4096  # padded query x key elements a group may waste for free (small groups merge)
+
+
+@dataclass(frozen=True)
+class SdpaGroup:
+    """Chunks attending in one padded SDPA call: b chunks, n_max query rows, s_max keys."""
+
+    q_rows: torch.Tensor  # int64 [b, n_max]: row of T of each query (padding repeats the chunk's last row)
+    key_slots: torch.Tensor  # int64 [b, s_max]: flat KV slot of each key position
+    mask: torch.Tensor  # bool [b, 1, n_max, s_max]: causal, bottom-right aligned per chunk
+    valid_pos: torch.Tensor | None  # int64: positions of real queries in the flattened [b * n_max] (None: all)
+    out_rows: torch.Tensor  # int64: row of T of each real query, in that order
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    num_new: tuple[int, ...]  # per chunk
+    num_total: tuple[int, ...]  # per chunk: context + new
+    read_slots: torch.Tensor  # int64 [n, S_max] (device)
+    write_slots: torch.Tensor  # int64 [T] (device)
+    positions: torch.Tensor  # int64 [T] (device): position of each new token in its sequence (RoPE)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
+        chunks = batch.chunks
+        num_new = tuple(c.num_new_tokens for c in chunks)
+        num_total = tuple(c.num_total_tokens for c in chunks)
+        s_max = max(num_total)
+        need = [-(-s // block_size) for s in num_total]
+        tables = torch.nn.utils.rnn.pad_sequence(
+            [c.block_table[:k].to("cpu", torch.long) for c, k in zip(chunks, need)], batch_first=True
+        )  # [n, max blocks]
+        pos = torch.arange(s_max)  # [S_max]
+        read = tables[:, pos // block_size] * block_size + pos % block_size  # [n, S_max]
+        read = read.masked_fill(pos[None] >= torch.tensor(num_total)[:, None], 0)
+        new = torch.tensor(num_new)
+        chunk_of_row = torch.repeat_interleave(torch.arange(len(chunks)), new)  # [T]
+        row_start = torch.cumsum(new, 0) - new  # [n]
+        context = torch.tensor(num_total) - new  # [n]
+        positions = context[chunk_of_row] + torch.arange(int(new.sum())) - row_start[chunk_of_row]  # [T]
+        writes = read[chunk_of_row, positions]  # [T]
+        device = torch.device(device)
+        return cls(num_new, num_total, read.to(device), writes.to(device), positions.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.read_slots.device
+
+    @cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        return _cumsum(self.num_new, self.device)
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        return _cumsum(self.num_total, self.device)
+
+    @cached_property
+    def packed_read_slots(self) -> torch.Tensor:
+        """int64 [sum S_i]: every chunk's key slots back to back (flash-attn varlen keys)."""
+        s_max = self.read_slots.shape[1]
+        keep = torch.arange(s_max)[None] < torch.tensor(self.num_total)[:, None]  # [n, S_max]
+        return self.read_slots[keep.to(self.device)]
+
+    @cached_property
+    def sdpa_groups(self) -> tuple[SdpaGroup, ...]:
+        order = sorted(range(len(self.num_new)), key=lambda i: (self.num_new[i], self.num_total[i]))
+        groups: list[list[int]] = []
+        real = n_max = s_max = 0
+        for i in order:
+            n, s = self.num_new[i], self.num_total[i]
+            if groups:
+                grown = (len(groups[-1]) + 1) * max(n_max, n) * max(s_max, s)
+                if grown <= 2 * (real + n * s) + _SLACK:
+                    groups[-1].append(i)
+                    real, n_max, s_max = real + n * s, max(n_max, n), max(s_max, s)
+                    continue
+            groups.append([i])
+            real, n_max, s_max = n * s, n, s
+        return tuple(self._group(members) for members in groups)
+
+    def _group(self, members: list[int]) -> SdpaGroup:
+        idx = torch.tensor(members)
+        new = torch.tensor([self.num_new[i] for i in members])  # [b]
+        total = torch.tensor([self.num_total[i] for i in members])  # [b]
+        n_max, s_max = int(new.max()), int(total.max())
+        row_start = torch.cumsum(torch.tensor(self.num_new), 0)[idx] - new  # [b]
+        r = torch.arange(n_max)[None]  # [1, n_max]
+        q_valid = r < new[:, None]  # [b, n_max]
+        q_rows = row_start[:, None] + torch.minimum(r, new[:, None] - 1)  # [b, n_max]
+        q_pos = (total - new)[:, None] + torch.minimum(r, new[:, None] - 1)  # [b, n_max]
+        mask = torch.arange(s_max)[None, None] <= q_pos[..., None]  # [b, n_max, s_max]
+        d = self.device
+        flat_valid = q_valid.flatten()
+        valid_pos = None if bool(flat_valid.all()) else torch.nonzero(flat_valid)[:, 0].to(d)
+        return SdpaGroup(q_rows.to(d), self.read_slots[idx.to(d), :s_max], mask[:, None].to(d), valid_pos,
+                         q_rows.flatten()[flat_valid].to(d))
+
+
+def _cumsum(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.to(device)
