@@ -83,7 +83,7 @@ class Replica:
         for req in (*sched.running, *sched.waiting):
             queued += max(0, req.num_prompt_tokens - req.num_computed_tokens)
             queued += max(0, req.params.max_tokens - len(req.output_token_ids))
-        free = engine.cache.pools[0].num_free_blocks
+        free = engine.cache.num_free_kv_blocks
         self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
 
     def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int]:
