@@ -122,12 +122,12 @@ class EngineCacheManager:
         return self.coordinator.find_longest_hit(req.hashes.hashes, req.num_prefill_tokens, self.lookup_view)
 
     def try_admit(self, req: Request, first_chunk: int | None = None) -> bool:
-        """Look up the prefix hit and, if the pools have room for it and `first_chunk` tokens
-        past it (default: up to the next stop is the scheduler's business; here one block),
-        restore it (KV blocks shared, Mamba state copied into the working page)."""
+        """Look up the prefix hit and, if the pools have room for it and for up to `first_chunk`
+        tokens past it (the scheduler's budget; default 1), restore it (KV blocks shared, Mamba
+        state copied into the working page). Lazy: later chunks and decodes grow it."""
         hit = self.lookup(req)
         length = hit.hit_tokens
-        chunk = first_chunk if first_chunk is not None else 1
+        chunk = min(first_chunk or 1, req.num_prefill_tokens - length)
         positions = length + chunk + self.num_spec_tokens
         rid = req.request_id
         if not self.groups.can_admit(rid, req.hashes, length, positions, spare_pages=1):  # +1: a snapshot

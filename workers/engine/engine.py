@@ -179,8 +179,9 @@ class LLMEngine:
         chunks = []
         for item in scheduled:
             req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
-            if item.kind is ChunkKind.PREFILL:
-                ids.extend(req.prompt_token_ids[n : n + m])
+            if item.kind is ChunkKind.PREFILL:  # past the prompt only when resuming after a preemption
+                known = req.prompt_token_ids if n + m <= req.num_prompt_tokens else req.all_token_ids
+                ids.extend(known[n : n + m])
             else:
                 ids.append(req.output_token_ids[-1])
                 ids.extend(req.draft_token_ids)
