@@ -150,7 +150,8 @@ class MambaManager:
         self.clock += 1
         if self.max_retained_pages is not None and self.num_retained >= self.max_retained_pages:
             victim = self._cheapest()
-            if victim is None or self._value(self._stats_of(victim)) >= self._value(CheckpointStats(position, 0, self.clock)):
+            worth = self._value(CheckpointStats(position, 0, self.clock))
+            if victim is None or self._value(self._stats_of(victim)) >= worth:
                 self.num_snapshots_skipped += 1
                 return False
             self._evict(victim)

@@ -33,6 +33,14 @@ def run_all(engine: LLMEngine, prompts, params) -> tuple[dict[str, RequestOutput
     return {i: done[i] for i in ids} | done, first
 
 
+def sized_engine(model, num_blocks: int, num_pages: int, k: int, **kw) -> LLMEngine:
+    """An engine whose pools hold about `num_blocks` KV blocks and `num_pages` Mamba pages."""
+    kv = model.kv_bytes_per_block(16) + (model.draft_kv_bytes_per_block(16) if k else 0)
+    kv_bytes, page_bytes = num_blocks * kv, num_pages * model.state_bytes_per_slot()
+    return make_engine(model, num_spec_tokens=k, cache_memory_bytes=kv_bytes + page_bytes,
+                       mamba_memory_fraction=page_bytes / (kv_bytes + page_bytes) + 1e-9, **kw)
+
+
 def upfront_reservation(engine: LLMEngine, prompts, params) -> tuple[int, int]:
     """(KV blocks, Mamba pages) the old admission reserved for all of `prompts` together."""
     k = engine.cache.num_spec_tokens
@@ -48,12 +56,9 @@ def test_oversubscribed_requests_all_complete_exactly_with_preemptions(tiny_mode
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     solo_engine = make_engine(tiny_model, num_spec_tokens=0, enable_prefix_caching=False)
     solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
-    kv = tiny_model.kv_bytes_per_block(16) + (tiny_model.draft_kv_bytes_per_block(16) if k else 0)
-    page = tiny_model.state_bytes_per_slot()
     blocks, pages = (110, 40) if k == 0 else (31, 20)
-    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode="lossless", max_model_len=256,
-                         max_num_seqs=num_requests, cache_memory_bytes=blocks * kv + pages * page,
-                         mamba_memory_fraction=pages * page / (blocks * kv + pages * page) + 1e-9)
+    engine = sized_engine(tiny_model, blocks, pages, k, eagle_mode="lossless", max_model_len=256,
+                          max_num_seqs=num_requests)
     full, mamba = engine.cache.full.pool, engine.cache.mamba.pool
     want_blocks, want_pages = upfront_reservation(engine, prompts, params)
     assert want_blocks >= 3 * full.num_blocks and want_pages >= 3 * mamba.num_blocks
@@ -91,10 +96,7 @@ def test_preempted_request_resumes_with_a_hit(tiny_model):
 
 
 def test_short_request_behind_a_long_one_that_does_not_fit_gets_its_first_token_first(tiny_model):
-    kv, page = tiny_model.kv_bytes_per_block(16), tiny_model.state_bytes_per_slot()
-    blocks, pages = 80, 10
-    engine = make_engine(tiny_model, num_spec_tokens=0, max_model_len=1100, cache_memory_bytes=blocks * kv + pages * page,
-                         mamba_memory_fraction=pages * page / (blocks * kv + pages * page) + 1e-9)
+    engine = sized_engine(tiny_model, 80, 10, 0, max_model_len=1100)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     hog = engine.add_request(make_prompt(800, 1), params)
     while engine.requests[hog].is_prefilling:
