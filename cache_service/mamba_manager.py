@@ -164,6 +164,8 @@ class MambaManager:
         self.pool.free([page])
         self.stats[key] = CheckpointStats(position, 0, self.clock)
         self.num_snapshots += 1
+        if len(self.stats) > 2 * self.pool.num_blocks:  # pages evicted behind our back (transfers)
+            self.stats = {k: v for k, v in self.stats.items() if k in self.pool.cached}
         return True
 
     @property

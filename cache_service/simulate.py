@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
-from cache_service.hit_finders import DropRule
 from cache_service.group_managers import GroupManagers
+from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
 from cache_service.mamba_manager import MambaManager
 from cache_service.retention import CheckpointPlanner, make_retention
