@@ -192,7 +192,7 @@ class GroupManagers:
         self.managers = []
         for g, (spec, pool) in enumerate(zip(coordinator.layout.groups, pools)):
             cls = MANAGER_BY_KIND[type(spec)]
-            extra = mamba_options or {} if cls is MambaManager else {}
+            extra = (mamba_options or {}) if cls is MambaManager else {}
             self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
 
     def of_kind(self, kind: str) -> list:

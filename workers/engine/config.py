@@ -18,7 +18,7 @@ class EngineConfig:
     mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
     max_num_seqs: int = 8
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
-    # tokens per step, decodes first, then prefill chunks; None: chunk_size + max_num_seqs * (k + 1)
+    # tokens per step, decodes first, then prefill chunks; None: max(chunk_size, A) + max_num_seqs * (k + 1)
     max_num_batched_tokens: int | None = None
     # byte budget of retained Mamba checkpoints, as a share of cache_memory_bytes (working states
     # are never counted nor evicted); beyond it the checkpoint of least expected value goes

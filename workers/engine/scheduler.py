@@ -56,7 +56,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # priority order: earliest arrival first
         k = cache.num_spec_tokens
-        self.token_budget = config.max_num_batched_tokens or config.chunk_size + config.max_num_seqs * (k + 1)
+        default = max(config.chunk_size, cache.alignment) + config.max_num_seqs * (k + 1)
+        self.token_budget = config.max_num_batched_tokens or default
         if self.token_budget < cache.alignment + k + 1:
             raise EngineConfigError(
                 f"max_num_batched_tokens={self.token_budget} must be at least the alignment {cache.alignment} "
