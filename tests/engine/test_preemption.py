@@ -49,7 +49,8 @@ def upfront_reservation(engine: LLMEngine, prompts, params) -> tuple[int, int]:
     return blocks, pages
 
 
-@pytest.mark.parametrize("k, num_requests", [pytest.param(0, 64, marks=pytest.mark.heavy), (3, 16)])
+@pytest.mark.heavy
+@pytest.mark.parametrize("k, num_requests", [(0, 64), (3, 16)])
 def test_oversubscribed_requests_all_complete_exactly_with_preemptions(tiny_model, k, num_requests):
     rng = random.Random(k)
     prompts = [make_prompt(rng.randrange(24, 100), 500 + i) for i in range(num_requests)]
