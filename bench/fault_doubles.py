@@ -4,8 +4,9 @@ no fault-injection methods:
     FaultyReplica     a replica whose event publisher can lose ("drop") or reorder ("reorder")
                       its next non-empty batch (`inject_event_fault(kind)`), whose next sent
                       prefix can be corrupted (`inject_transfer_fault()`), which can evict its
-                      whole cache (`evict_cached()`) and whose health checks can stop answering
-                      (`stall_health_checks()`)
+                      whole cache (`evict_cached()`), whose health checks can stop answering
+                      (`stall_health_checks()`) and whose engine loop's next step can raise
+                      (`inject_loop_fault()`)
     kill_replica      kill a replica actor without telling anyone (the death is discovered)
     kill_cache_service  kill the cache service; Ray restarts it empty and replicas resync into it
 """
@@ -92,6 +93,21 @@ class FaultyReplica(TransferReplica):
         while self._stalled:
             time.sleep(0.1)
         return super().ping()
+
+    @ray.method(concurrency_group="control")
+    def inject_loop_fault(self) -> None:
+        """The engine loop's next step raises (as a bug in the engine would): the supervised loop
+        stops, the replica reports itself unhealthy and its requests are retried elsewhere."""
+        def broken_step():
+            self.fault_fired_s = time.time()
+            raise RuntimeError("injected engine-loop fault")
+
+        self.runner.call(lambda engine: setattr(engine, "step", broken_step))
+
+    @ray.method(concurrency_group="control")
+    def loop_health(self) -> str | None:
+        """The engine runner's own verdict (the replica's `health()` caches it once broken)."""
+        return self.runner.health()
 
     @ray.method(concurrency_group="control")
     def fault_time(self) -> float | None:

@@ -70,6 +70,8 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
     metrics.num_unfinished.set_function(lambda: backend.num_unfinished)
     if hasattr(backend, "attach_metrics"):
         backend.attach_metrics(metrics)
+    if hasattr(backend, "engine_stats"):
+        metrics.attach_engine_stats(backend.engine_stats)
     max_model_len: int | None = getattr(backend, "max_model_len", None)
     created = int(time.time())
     driver = RequestDriver(backend, metrics)

@@ -51,6 +51,9 @@ class Metrics:
         self.transfer_bytes = Counter("hybridserve_transfer_bytes", "bytes moved by cache transfers", registry=r)
         self.transfer_seconds = Histogram("hybridserve_transfer_seconds", "cache transfer duration", registry=r,
                                           buckets=LATENCY_BUCKETS)
+        # vLLM's name: requests preempted (pages given back, recomputed later), summed over finished requests
+        self.preemptions = Counter("vllm:num_preemptions", "cumulative number of preemptions", registry=r)
+        self.engine_gauges: dict[str, Gauge] = {}
 
     def record(self, out, latency_s: float | None = None) -> None:
         """A finished `RequestOutput`."""
@@ -65,6 +68,7 @@ class Metrics:
         for group, n in (getattr(out, "num_cached_tokens_by_group", None) or {}).items():
             self.group_cached_tokens.labels(str(group)).inc(n)
         self.generated.inc(len(out.token_ids))
+        self.preemptions.inc(getattr(out, "num_preemptions", 0))
         self.drafts.labels("accepted").inc(out.num_draft_accepted)
         self.drafts.labels("rejected").inc(out.num_draft_proposed - out.num_draft_accepted)
         if out.ttft_s is not None:
@@ -92,3 +96,15 @@ class Metrics:
         self.transfers.labels("ok" if ok else "failed").inc()
         self.transfer_seconds.observe(seconds)
         self.transfer_bytes.inc(num_bytes)
+
+    def attach_engine_stats(self, stats) -> None:
+        """Gauges read from a local engine's `stats()` at each scrape (retained Mamba checkpoints:
+        count, bytes, budget, evictions; skipped snapshots)."""
+        names = {"num_retained_checkpoints": "retained Mamba checkpoints",
+                 "retained_checkpoint_bytes": "bytes of retained Mamba checkpoints",
+                 "max_retained_checkpoint_bytes": "byte budget of retained Mamba checkpoints",
+                 "num_checkpoint_evictions": "retained Mamba checkpoints evicted (budget or pool pressure)",
+                 "num_snapshots_skipped": "Mamba snapshots not taken (worth less than every retained one, or no room)"}
+        for key, doc in names.items():
+            gauge = self.engine_gauges[key] = Gauge(f"hybridserve_engine_{key}", doc, registry=self.registry)
+            gauge.set_function(lambda key=key: stats().get(key, 0))

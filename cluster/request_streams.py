@@ -102,7 +102,7 @@ def stream_from(backend, job: Job, target: str, delivered: list[int]) -> bool:
         out = RequestOutput(job.msg.request_id, tuple(fresh), tuple(delivered), delta.finished, delta.finish_reason,
                             delta.num_prompt_tokens, delta.num_cached_tokens, delta.ttft_s,
                             delta.num_draft_proposed, delta.num_draft_accepted, logprobs,
-                            delta.num_computed_prompt_tokens)
+                            delta.num_computed_prompt_tokens, num_preemptions=delta.num_preemptions)
         if out.finished:
             backend.transfers.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
             if job.report_replica:

@@ -28,6 +28,8 @@ SETTINGS = {
     "max_model_len": "engine.max_model_len",
     "num_speculative_tokens": "engine.num_spec_tokens",
     "enable_prefix_caching": "engine.enable_prefix_caching",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
 }
 
 
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations dtype (model.dtype)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens per request (engine.max_model_len)")
     p.add_argument("--num-speculative-tokens", type=int, help="MTP draft tokens per step, 0 = off")
+    p.add_argument("--max-num-seqs", type=int, help="running requests per replica (engine.max_num_seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per engine step, decodes first (engine.max_num_batched_tokens)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached prefixes (engine.enable_prefix_caching)")
     p.add_argument("--chat-template", help="a Jinja chat template file or inline string (model.chat_template)")

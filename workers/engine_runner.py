@@ -2,10 +2,21 @@
 
 The engine is single-threaded by design; every call into it goes through the runner's inbox
 and is executed between steps, so callers on other threads (the HTTP server, a Ray actor's
-methods) never race the step loop. A failed step fails the requests it held with the error,
-instead of killing the loop silently. At most `max_queued` requests are in flight (waiting or
+methods) never race the step loop. At most `max_queued` requests are in flight (waiting or
 running); `submit` beyond that raises `ServerOverloadedError` (HTTP 429) instead of queueing
 without bound.
+
+Supervision:
+    inbox items     each one wrapped: its exception goes to its caller (or the log), never
+                    into the loop
+    a step raises   the engine's state is suspect: the loop stops for good (`dead` is set),
+                    every stream ends with `EngineDeadError` and every queued call fails with it;
+                    `health()` says why from then on, so a replica reports itself unhealthy and
+                    the cluster retries its requests elsewhere
+    heartbeat       the loop beats after every step and every idle wait; `health()` also reports
+                    a loop whose last beat is older than `stall_timeout_s` while it has work
+    deadlines       `call` waits at most `call_timeout_s`; it and stream readers (`next_output`)
+                    wake at once when the loop dies
 """
 
 from __future__ import annotations
@@ -13,11 +24,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from workers.engine.engine import LLMEngine
-from workers.engine.errors import ServerOverloadedError
+from workers.engine.errors import EngineDeadError, EngineTimeoutError, ServerOverloadedError
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
 
@@ -64,18 +76,28 @@ class RequestStream:
 
 
 class EngineRunner:
-    def __init__(self, engine: LLMEngine, max_queued: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_queued: int = 256, call_timeout_s: float = 120.0,
+                 stall_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the heartbeat's clock (tests inject one)."""
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
         self.max_queued = max_queued
+        self.call_timeout_s = call_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self.last_beat = clock()
+        self.num_steps = 0
+        self.dead = threading.Event()  # set once, when the loop stops for good
+        self.death: str | None = None
+        self._in_step = False
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
         self._ids = 0
         self._lock = threading.Lock()
         self.on_step: Callable[[LLMEngine], None] | None = None  # on the loop after each step (events, load)
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._supervised_loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     @property
@@ -85,6 +107,21 @@ class EngineRunner:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    def health(self) -> str | None:
+        """None while the loop serves; else why not (it died, or its heartbeat is stale mid-step)."""
+        if self.death is not None:
+            return self.death
+        if not self._thread.is_alive() and not self._stop.is_set():
+            return "engine loop exited"
+        age = self._clock() - self.last_beat
+        if self._in_step and age > self.stall_timeout_s:
+            return f"engine loop stalled: no heartbeat for {age:.1f} s"
+        return None
+
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's counters and gauges (read without the loop: plain ints)."""
+        return {**self.engine.stats(), "num_steps": self.num_steps}
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None) -> RequestStream:
@@ -115,8 +152,11 @@ class EngineRunner:
 
         self._inbox.put(drop)
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> object:
-        """Run `fn(engine)` on the loop thread between steps and return its result."""
+    def call(self, fn: Callable[[LLMEngine], object], timeout_s: float | None = None) -> object:
+        """Run `fn(engine)` on the loop thread between steps and return its result. Raises
+        `EngineDeadError` if the loop is (or dies while this waits) and `EngineTimeoutError`
+        after `timeout_s` (default `call_timeout_s`)."""
+        self._raise_if_dead()
         result: list[object] = []
         failure: list[BaseException] = []
         done = threading.Event()
@@ -130,36 +170,70 @@ class EngineRunner:
                 done.set()
 
         self._inbox.put(run)
-        done.wait()
+        deadline = self._clock() + (self.call_timeout_s if timeout_s is None else timeout_s)
+        while not done.wait(0.05):
+            self._raise_if_dead()
+            if self._clock() > deadline:
+                raise EngineTimeoutError(f"engine call did not complete in {timeout_s or self.call_timeout_s} s")
         if failure:
             raise failure[0]
         return result[0]
+
+    def _raise_if_dead(self) -> None:
+        if self.death is not None:
+            raise EngineDeadError(self.death)
 
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(lambda: None)
         self._thread.join(timeout=30)
 
+    def _beat(self) -> None:
+        self.last_beat = self._clock()
+
+    def _supervised_loop(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever stopped the loop, nobody waits forever
+            log.exception("engine loop died")
+            self._die(f"engine loop died: {type(exc).__name__}: {str(exc)[:200]}")
+
+    def _die(self, reason: str) -> None:
+        self.death = reason
+        self.dead.set()
+        error = EngineDeadError(reason)
+        for rid in list(self._streams):
+            self._streams.pop(rid).put(StreamEnd(error))
+        while True:  # queued calls: each fails at once (call() sees `death`); run none of them
+            try:
+                self._inbox.get_nowait()
+            except queue.Empty:
+                break
+
+    def _run_item(self, item: Callable[[], None]) -> None:
+        try:
+            item()
+        except Exception:  # noqa: BLE001 - an inbox item never stops the loop
+            log.exception("engine inbox item failed")
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished()
             try:
                 while True:
-                    self._inbox.get(block=block, timeout=0.5 if block else None)()
+                    self._run_item(self._inbox.get(block=block, timeout=0.5 if block else None))
                     block = False
             except queue.Empty:
                 pass
+            self._beat()
             if not self.engine.has_unfinished():
                 self._after_step()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # fail the requests, keep serving
-                log.exception("engine step failed")
-                for rid in list(self._streams):
-                    self.engine.abort(rid)
-                    self._streams.pop(rid).put(StreamEnd(exc))
-                continue
+            self._in_step = True
+            outputs = self.engine.step()  # raising: `_supervised_loop` declares the loop dead
+            self._in_step = False
+            self.num_steps += 1
+            self._beat()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:

@@ -27,6 +27,7 @@ from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, TokenDeltaMsg,
 
 log = logging.getLogger(__name__)
 
+STREAM_POLL_S = 0.25  # how often a stream reader checks the engine loop's health while it waits
 CONCURRENCY_GROUPS = {"control": 8, "transfer": 4}  # + "streams": max_streams (see `actor_options`)
 
 
@@ -83,7 +84,7 @@ class Replica:
         for req in (*sched.running, *sched.waiting):
             queued += max(0, req.num_prompt_tokens - req.num_computed_tokens)
             queued += max(0, req.params.max_tokens - len(req.output_token_ids))
-        free = engine.cache.pools[0].num_free_blocks
+        free = engine.cache.num_free_kv_blocks
         self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
 
     def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int]:
@@ -101,14 +102,28 @@ class Replica:
     # ---- health -------------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def health(self) -> str | None:
-        """None while this replica can serve; else why not. With tp_size > 1: a TP rank's actor
-        exited, or a step failed (the group is then out of step: the replica is unusable)."""
+        """None while this replica can serve; else why not: its engine loop died or stalled (the
+        runner's supervision and step heartbeat), or with tp_size > 1 a TP rank's actor exited or
+        a step failed (the group is then out of step: the replica is unusable)."""
         serving = list(getattr(self.runner.engine.model, "tp_serving", ()))
         if self._broken is None and serving:
             done, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
             if done:
                 self._broken = f"{len(done)} tensor-parallel rank(s) exited"
+        if self._broken is None:
+            self._broken = self.runner.health()
         return self._broken
+
+    def _next_output(self, stream):
+        """The stream's next item, waiting in short slices so a dead or stalled loop is noticed
+        (its stream may never get another item)."""
+        import queue
+
+        while True:
+            try:
+                return stream.get(timeout=STREAM_POLL_S)
+            except queue.Empty:
+                self._check_health()
 
     def _check_health(self) -> None:
         if self.health() is not None:
@@ -129,7 +144,7 @@ class Replica:
             stream = self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt, msg.request_id)
             self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
             while True:
-                item = stream.get()
+                item = self._next_output(stream)
                 batch = []
                 while item is not None and not isinstance(item, StreamEnd):
                     batch.append(item)

@@ -68,6 +68,7 @@ class TokenDeltaMsg:
     num_draft_accepted: int
     logprobs: tuple | None = None  # one `TokenLogprobs` per new token, when the request asked
     num_computed_prompt_tokens: int = 0  # prompt tokens this replica ran through its model's forward
+    num_preemptions: int = 0  # times the replica's engine preempted the request so far
 
     @classmethod
     def merge(cls, outputs: list, num_tokens_before: int) -> TokenDeltaMsg:
@@ -79,7 +80,7 @@ class TokenDeltaMsg:
             logprobs = tuple(lp for out in outputs for lp in (out.logprobs or ()))
         return cls(last.request_id, num_tokens_before, new, last.finished, last.finish_reason,
                    last.num_prompt_tokens, last.num_cached_tokens, last.ttft_s, last.num_draft_proposed,
-                   last.num_draft_accepted, logprobs, last.num_computed_prompt_tokens)
+                   last.num_draft_accepted, logprobs, last.num_computed_prompt_tokens, last.num_preemptions)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
-from workers.engine.cache_manager import FULL, MAMBA, EngineCacheManager
+from workers.engine.cache_manager import EngineCacheManager
 
 
 class TransferError(RuntimeError):
@@ -60,9 +60,10 @@ class TransferHeader:
 def _group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
     """The page-indexed tensors of a group ([num_pages, ...] each), in a fixed order."""
     caches = cache.caches
-    if group == FULL:
+    kind = cache.layout.groups[group].kind
+    if kind == "full":
         return [t for layer in sorted(caches.kv) for t in caches.kv[layer]] + [cache.sidecar]
-    if group == MAMBA:
+    if kind == "mamba":
         return [caches.conv[layer] for layer in sorted(caches.conv)] + [
             caches.ssm[layer] for layer in sorted(caches.ssm)
         ]
@@ -88,7 +89,7 @@ def export_prefix(
     # a dropping group (EAGLE drop) serves L only with the pages that prove the successor token
     reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
     wanted: list[list[BlockHash]] = [
-        [hashes.prefix_hash(num_tokens)] if g == MAMBA
+        [hashes.prefix_hash(num_tokens)] if cache.layout.groups[g].kind == "mamba"
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
         for g in range(len(cache.pools))
     ]
@@ -212,7 +213,7 @@ def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_toke
     size = cache.block_size
     reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
     return [
-        [hashes.prefix_hash(num_tokens)] if g == MAMBA
+        [hashes.prefix_hash(num_tokens)] if cache.layout.groups[g].kind == "mamba"
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
         for g in range(len(cache.pools))
     ]

@@ -18,6 +18,11 @@ class EngineConfig:
     mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
     max_num_seqs: int = 8
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
+    # tokens per step, decodes first, then prefill chunks; None: max(chunk_size, A) + max_num_seqs * (k + 1)
+    max_num_batched_tokens: int | None = None
+    # byte budget of retained Mamba checkpoints, as a share of cache_memory_bytes (working states
+    # are never counted nor evicted); beyond it the checkpoint of least expected value goes
+    checkpoint_memory_fraction: float = 0.125
     num_spec_tokens: int = 3  # MTP draft tokens per step; 0 disables speculation
     eagle_mode: EagleMode = EagleMode.LOSSLESS  # drop | lossless (ignored without speculation)
     # how a dropping draft group proves the successor token: lookahead (the block starting at the
@@ -38,6 +43,14 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_spec_tokens, int) or not 0 <= self.num_spec_tokens <= 16:
             raise EngineConfigError(f"num_spec_tokens must be an integer in 0..16, got {self.num_spec_tokens!r}")
+        if self.max_num_batched_tokens is not None and (
+                not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens <= 0):
+            raise EngineConfigError(
+                f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.checkpoint_memory_fraction, (int, float)) or not (
+                0.0 < self.checkpoint_memory_fraction <= 1.0):
+            raise EngineConfigError(
+                f"checkpoint_memory_fraction must be in (0, 1], got {self.checkpoint_memory_fraction!r}")
         if not 0.0 < self.mamba_memory_fraction < 1.0:
             raise EngineConfigError(f"mamba_memory_fraction must be in (0, 1), got {self.mamba_memory_fraction}")
         try:

@@ -9,6 +9,7 @@ d_1 from the last row, then d_j from (MTP hidden of d_{j-1}'s position, d_{j-1})
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,16 +37,15 @@ class Drafter(Protocol):
 
 
 class MTPDrafter:
-    def __init__(self, model, caches, num_spec_tokens: int) -> None:
+    def __init__(self, model, caches, num_spec_tokens: int, table_of: Callable[[Request], torch.Tensor]) -> None:
+        """`table_of(req)`: the request's draft-group block table (the engine's draft manager)."""
         from workers.model.forward_batch import ForwardBatch, SeqChunk
 
         self._batch, self._chunk = ForwardBatch, SeqChunk
         self.model = model
         self.caches = caches
         self.num_spec_tokens = num_spec_tokens
-
-    def _table(self, req: Request) -> torch.Tensor:
-        return torch.tensor([b.block_id for b in req.draft_blocks], dtype=torch.long)
+        self._table = table_of
 
     @torch.inference_mode()
     def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:

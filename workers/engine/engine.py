@@ -52,11 +52,12 @@ class LLMEngine:
             draft_block_size=config.kv_block_size if self.speculative else None,
         )
         self.cache = EngineCacheManager(
-            config, self.caches, num_kv_blocks, num_slots, mconf.hidden_size, self.speculative, events
+            config, self.caches, num_kv_blocks, num_slots, mconf.hidden_size, self.speculative, events,
+            state_page_bytes=model.state_bytes_per_slot(),
         )
         self.scheduler = Scheduler(config, self.cache)
         if self.speculative and drafter is None:
-            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens)
+            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table)
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -120,6 +121,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges of this engine (replica load reports, /metrics)."""
+        sched = self.scheduler
+        return {"num_preemptions": sched.num_preemptions, "num_running": len(sched.running),
+                "num_waiting": len(sched.waiting), "num_free_kv_blocks": self.cache.num_free_kv_blocks,
+                **self.cache.stats()}
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         ids = [self.add_request(p, params, cache_salt=cache_salt) for p in prompts]
@@ -173,18 +181,17 @@ class LLMEngine:
         num_prompt = 0
         for item in scheduled:
             req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
-            if item.kind is ChunkKind.PREFILL:
-                ids.extend(req.prompt_token_ids[n : n + m])
-                req.num_computed_prompt_tokens += m  # the work counted: what a hit must save
+            if item.kind is ChunkKind.PREFILL:  # past the prompt only when resuming after a preemption
+                known = req.prompt_token_ids if n + m <= req.num_prompt_tokens else req.all_token_ids
+                ids.extend(known[n : n + m])
+                # the work counted: what a hit must save (a recompute after a preemption counts again)
+                req.num_computed_prompt_tokens += m
                 num_prompt += m
             else:
                 ids.append(req.output_token_ids[-1])
                 ids.extend(req.draft_token_ids)
-            per_token = None
-            if item.kind is ChunkKind.VERIFY:
-                per_token = tuple(s.block_id for s in req.verify_slots[:m])
-            table = torch.tensor([b.block_id for b in req.kv_blocks], dtype=torch.long)
-            chunks.append(SeqChunk(n, m, table, req.state_slot.block_id, per_token))
+            per_token = self.cache.verify_pages(req, m) if item.kind is ChunkKind.VERIFY else None
+            chunks.append(SeqChunk(n, m, self.cache.block_table(req), self.cache.state_page(req), per_token))
         self.num_computed_prompt_tokens += num_prompt
         return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
 
@@ -197,12 +204,13 @@ class LLMEngine:
         self.cache.record_hidden(req, start, rows)
         req.num_computed_tokens = end = start + m
         if end in req.checkpoints:
-            self.cache.snapshot(req, req.state_slot, end)
+            self.cache.snapshot(req, self.cache.state_page(req), end)
         tokens: list[int] = []
-        if end == req.num_prompt_tokens:
+        if end == req.num_prefill_tokens:  # the prompt, or every known token after a preemption
             logits = self.model.compute_logits(rows[-1:])  # [1, vocab]
             token = req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)
-            req.first_token_s = time.perf_counter()
+            if req.first_token_s is None:
+                req.first_token_s = time.perf_counter()
             tokens = self._emit(req, [token], logits)
         if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
@@ -217,7 +225,7 @@ class LLMEngine:
             hidden = hidden[: len(next_ids)]
         if not next_ids:
             return tokens, None
-        propose = end == req.num_prompt_tokens
+        propose = end == req.num_prefill_tokens
         return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
 
     def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
@@ -231,8 +239,8 @@ class LLMEngine:
                 accepted += 1
             proposal = drafts[:accepted] + [target[accepted]]
             req.num_draft_accepted += accepted
-            if accepted < len(drafts):  # else state_slot already holds the state after the whole chunk
-                self.caches.copy_state(req.verify_slots[accepted].block_id, req.state_slot.block_id)
+            if accepted < len(drafts):  # else the working page already holds the state after the whole chunk
+                self.cache.mamba.rollback(req.request_id, accepted)
         else:
             accepted = 0
             proposal = [req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)]
@@ -254,15 +262,9 @@ class LLMEngine:
         for pos in range(start + 1, start + count + 1):
             if pos % step:
                 continue
-            src = req.verify_slots[pos - start - 1] if verified else req.state_slot
-            if len(req.final_positions) == 2:
-                slot = req.final_slots.pop(0)
-                req.final_positions.pop(0)
-                req.final_slots.append(slot)
-            else:
-                slot = req.final_slots[len(req.final_positions)]
-            self.caches.copy_state(src.block_id, slot.block_id)
-            req.final_positions.append(pos)
+            verify = self.cache.verify_pages(req, count)
+            src = verify[pos - start - 1] if verified else self.cache.state_page(req)
+            self.cache.mamba.track_boundary(req.request_id, pos, src)
 
     def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[int]:
         """Append sampled tokens, stopping at a stop token or the length limit; `logits[i]` is the
@@ -292,13 +294,10 @@ class LLMEngine:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)
-        if req.state_slot is not None and reason is not FinishReason.ABORT:
+        if self.cache.holds(req) and reason is not FinishReason.ABORT:
             self.cache.publish(req)
-            keep = set(self.cache.planner.checkpoints(req.num_prompt_tokens, req.num_computed_tokens, req.junctions))
-            for pos, slot in zip(req.final_positions, req.final_slots):
-                if pos in keep:
-                    self.cache.snapshot(req, slot, pos)
-        if req.state_slot is not None:
+            self.cache.keep_final_states(req)
+        if self.cache.holds(req):
             self.cache.release(req)
 
 

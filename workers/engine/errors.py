@@ -32,3 +32,12 @@ def validate_prompt(prompt: list, vocab_size: int, max_model_len: int) -> None:
         raise InvalidRequestError(
             f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len} (prompt + at least 1 output)"
         )
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, or it stalled): this engine serves nothing more;
+    its requests are to be retried elsewhere (vLLM's EngineDeadError)."""
+
+
+class EngineTimeoutError(TimeoutError):
+    """A call into the engine loop did not complete within its deadline."""

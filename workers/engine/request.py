@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from cache_service.block_hash import RequestBlockHashes
-from cache_service.block_pool import CacheBlock
 from workers.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 
 
@@ -34,22 +33,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
-    # what the caches hold for this request
+    # what the caches hold for this request (its pages themselves live in the group managers)
     num_computed_tokens: int = 0  # target KV + Mamba state valid for [0, n)
     num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
-    num_cached_tokens: int = 0  # the prefix hit at admission
+    num_cached_tokens: int = 0  # the prefix hit at the first admission (what the client is told)
+    num_restored_tokens: int = 0  # the prefix hit at the latest admission (differs after a preemption)
+    num_prefill_tokens: int = 0  # prefill runs to here: the prompt, or every known token after a preemption
     # prompt tokens sent through the target model's forward (prefill chunks; a recomputation after
     # preemption counts again): the work a hit saved is num_prompt_tokens - this
     num_computed_prompt_tokens: int = 0
-    kv_blocks: list[CacheBlock] = field(default_factory=list)
-    draft_blocks: list[CacheBlock] = field(default_factory=list)
-    state_slot: CacheBlock | None = None  # working Mamba state
-    verify_slots: list[CacheBlock] = field(default_factory=list)  # per-token states for rollback
     checkpoints: tuple[int, ...] = ()  # planned Mamba snapshot positions
     junctions: tuple[int, ...] = ()
-    final_slots: list[CacheBlock] = field(default_factory=list)  # states at the last two boundaries of decode
-    final_positions: list[int] = field(default_factory=list)  # their positions, oldest first
-    num_published: list[int] = field(default_factory=lambda: [0, 0, 0])  # blocks published per group
     draft_token_ids: list[int] = field(default_factory=list)
     sampler: Sampler | None = None
     first_token_s: float | None = None
@@ -57,6 +51,9 @@ class Request:
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prefill_tokens = self.num_prefill_tokens or len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,7 +69,7 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -93,6 +90,7 @@ class RequestOutput:
     num_draft_accepted: int
     logprobs: tuple[TokenLogprobs, ...] | None = None  # of `new_token_ids`, when the request asked
     num_computed_prompt_tokens: int = 0  # prompt tokens run through the model's forward (Request's field)
+    num_preemptions: int = 0  # times the engine gave its pages back and recomputed it
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -103,4 +101,5 @@ class RequestOutput:
             tuple(req.output_logprobs[len(req.output_logprobs) - len(new_token_ids):])
             if req.params.logprobs is not None else None,
             req.num_computed_prompt_tokens,
+            req.num_preemptions,
         )

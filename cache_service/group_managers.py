@@ -1,0 +1,244 @@
+"""Per-kind group managers: one object per cache group owning its pool and every request's pages.
+
+    spec kind        manager                 a request holds
+    full             FullAttentionManager    one KV block per `block_size` positions, taken lazily
+    draft            DraftAttentionManager   the same for the MTP/EAGLE layers (lossless: the
+                                             block holding L-1 is a private copy of the cached one)
+    sliding_window   SlidingWindowManager    only the blocks a window can still read; older table
+                                             entries become the null block
+    mamba            MambaManager            a working state page, decode-boundary pages and
+                                             verify pages (rollback); snapshots under a byte budget
+
+Every manager answers the same questions (check-then-act): which cached pages a hit of L pins
+(`hit_blocks`), how many fresh pages restoring it and growing to n positions take
+(`num_blocks_needed`), then acts (`restore`, `grow`), publishes what is complete (`publish`) and
+gives everything back (`free`). Callers (the engine's `EngineCacheManager`, the simulations in
+`simulate.py`) iterate over `GroupManagers.managers` and never index groups by constant.
+
+Page contents move through a `PageBackend`: the engine's copies tensors, `NullPageBackend`
+(simulations, `explain`) copies nothing, so one publication and one restore implementation serve
+both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from cache_service.block_hash import BlockHash, RequestBlockHashes
+from cache_service.block_pool import BlockPool, CacheBlock
+from cache_service.coordinator import EagleMode, HybridCoordinator
+from cache_service.hit_finders import DropRule
+from cache_service.local_cache import retained_block_ends
+from cache_service.mamba_manager import MambaManager
+from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
+
+
+class PageBackend(Protocol):
+    def copy_page(self, group_id: int, src: int, dst: int) -> None:
+        """Copy page `src` of group `group_id` into page `dst` (every layer, every TP rank)."""
+        ...
+
+
+class NullPageBackend:
+    """No tensors: the simulations' backend."""
+
+    def copy_page(self, group_id: int, src: int, dst: int) -> None:
+        return None
+
+
+class AttentionManager:
+    """Full attention: a request's block table covers [0, n) for every n it has grown to."""
+
+    def __init__(self, group_id: int, spec: GroupSpec, pool: BlockPool, coordinator: HybridCoordinator,
+                 backend: PageBackend) -> None:
+        self.group_id, self.spec, self.pool = group_id, spec, pool
+        self.coordinator, self.backend = coordinator, backend
+        self.block_size = spec.block_size
+        self.req_to_blocks: dict[str, list[CacheBlock]] = {}
+        self.num_published: dict[str, int] = {}
+
+    # ---- admission ----------------------------------------------------------------------------
+    def num_shared_blocks(self, hit_tokens: int) -> int:
+        return hit_tokens // self.block_size
+
+    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        """The cached blocks a hit of `hit_tokens` shares (all cached: the coordinator said so)."""
+        size = self.block_size
+        return [self.pool.get_cached(hashes.prefix_hash((j + 1) * size))
+                for j in range(self.num_shared_blocks(hit_tokens))]
+
+    def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        """Cached pages restored by copy into a private page (none for plain attention)."""
+        return []
+
+    def num_blocks_needed(self, request_id: str, num_positions: int, decoding: bool = False) -> int:
+        have = len(self.req_to_blocks.get(request_id, ()))
+        return max(0, -(-num_positions // self.block_size) - have)
+
+    def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
+        shared = self.hit_blocks(hashes, hit_tokens)
+        self.pool.touch(shared)
+        self.req_to_blocks[request_id] = shared
+        self.num_published[request_id] = len(shared)
+
+    def grow(self, request_id: str, num_positions: int, decoding: bool = False) -> None:
+        need = self.num_blocks_needed(request_id, num_positions)
+        if need:
+            self.req_to_blocks[request_id].extend(self.pool.allocate(need))
+
+    # ---- publication --------------------------------------------------------------------------
+    def publish(self, request_id: str, hashes: RequestBlockHashes, num_computed: int,
+                checkpoints: Sequence[int] = ()) -> int:
+        """Publish every newly completed block under its prefix hash; returns how many."""
+        size, blocks = self.block_size, self.req_to_blocks[request_id]
+        upto = min(num_computed, len(hashes.hashes) * hashes.hash_block_size, len(blocks) * size) // size
+        done = self.num_published[request_id]
+        for j in range(done, upto):
+            self.pool.cache_block(blocks[j], hashes.prefix_hash((j + 1) * size))
+        self.num_published[request_id] = max(done, upto)
+        return max(0, upto - done)
+
+    def free(self, request_id: str) -> None:
+        """Return the request's blocks tail first (its last blocks are evicted first)."""
+        self.pool.free(reversed(self.req_to_blocks.pop(request_id, [])))
+        self.num_published.pop(request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks[request_id]]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
+
+class FullAttentionManager(AttentionManager):
+    pass
+
+
+class DraftAttentionManager(AttentionManager):
+    """Draft-layer KV. Lossless EAGLE: the block holding L-1 is not shared but copied, because
+    the engine rewrites position L-1's draft KV with the true successor token."""
+
+    @property
+    def lossless(self) -> bool:
+        return self.coordinator.eagle is EagleMode.LOSSLESS
+
+    def num_shared_blocks(self, hit_tokens: int) -> int:
+        n = hit_tokens // self.block_size
+        return n - 1 if hit_tokens and self.lossless else n
+
+    def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        if not (hit_tokens and self.lossless):
+            return []
+        return [self.pool.get_cached(hashes.prefix_hash(hit_tokens // self.block_size * self.block_size))]
+
+    def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
+        (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
+        if src is not None:
+            self.pool.touch([src])  # pinned before allocation recycles free cached pages
+        super().restore(request_id, hashes, hit_tokens)
+        if src is not None:
+            self.grow(request_id, hit_tokens)
+            self.backend.copy_page(self.group_id, src.block_id, self.req_to_blocks[request_id][-1].block_id)
+            self.pool.free([src])
+
+
+class SlidingWindowManager(AttentionManager):
+    """Sliding-window attention: blocks wholly before the window of the next position are given
+    back (their table entries become the null block); only the blocks retention wants (window
+    tails at checkpoints, lookahead blocks) are published."""
+
+    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        size, first = self.block_size, self._first_live(hit_tokens)
+        return [self.pool.null_block if j < first else self.pool.get_cached(hashes.prefix_hash((j + 1) * size))
+                for j in range(hit_tokens // size)]
+
+    def _first_live(self, num_positions: int) -> int:
+        return max(0, num_positions - (self.spec.window - 1)) // self.block_size
+
+    def publish(self, request_id: str, hashes: RequestBlockHashes, num_computed: int,
+                checkpoints: Sequence[int] = ()) -> int:
+        blocks, size, num_new = self.req_to_blocks[request_id], self.block_size, 0
+        coord = self.coordinator
+        lookahead = self.group_id in coord.dropping_groups and coord.drop_rule is DropRule.LOOKAHEAD
+        hashed = len(hashes.hashes) * hashes.hash_block_size
+        for end in retained_block_ends(self.spec, num_computed, checkpoints, lookahead):
+            block = blocks[end // size - 1] if end <= min(hashed, len(blocks) * size) else self.pool.null_block
+            if block is not self.pool.null_block and block.block_hash is None:
+                num_new += self.pool.cache_block(block, hashes.prefix_hash(end))
+        first = self._first_live(num_computed)
+        dead = [b for b in blocks[:first] if b is not self.pool.null_block]
+        self.pool.free(dead)
+        blocks[:first] = [self.pool.null_block] * first
+        return num_new
+
+
+MANAGER_BY_KIND: dict[type[GroupSpec], type] = {
+    FullAttentionSpec: FullAttentionManager,
+    DraftAttentionSpec: DraftAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    MambaSpec: MambaManager,
+}
+
+
+class GroupManagers:
+    """All groups of one cache layout: admission of a hit, growth, publication, free, each as
+    one loop over the managers (check first, then act: nothing fails half-way)."""
+
+    def __init__(self, coordinator: HybridCoordinator, pools: Sequence[BlockPool], backend: PageBackend | None = None,
+                 mamba_options: dict | None = None) -> None:
+        backend = backend or NullPageBackend()
+        self.coordinator = coordinator
+        self.managers = []
+        for g, (spec, pool) in enumerate(zip(coordinator.layout.groups, pools)):
+            cls = MANAGER_BY_KIND[type(spec)]
+            extra = (mamba_options or {}) if cls is MambaManager else {}
+            self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
+
+    def of_kind(self, kind: str) -> list:
+        return [m for m in self.managers if m.spec.kind == kind]
+
+    def pinned_by_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[int]:
+        """Per group: cached pages of the hit that are free now (pinning takes them off the free queue)."""
+        return [sum(1 for b in (*m.hit_blocks(hashes, hit_tokens), *m.copy_sources(hashes, hit_tokens))
+                    if b.ref_cnt == 0) for m in self.managers]
+
+    def can_admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int,
+                  spare_pages: int = 0) -> bool:
+        """Whether restoring the hit and growing to `num_positions` fits every pool."""
+        pinned = self.pinned_by_hit(hashes, hit_tokens)
+        for m, pin in zip(self.managers, pinned):
+            need = m.num_blocks_needed(request_id, num_positions) - len(m.hit_blocks(hashes, hit_tokens))
+            if isinstance(m, MambaManager):
+                need = m.num_blocks_needed(request_id, num_positions) + spare_pages
+            if not m.pool.can_allocate(max(0, need) + pin):
+                return False
+        return True
+
+    def admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int) -> None:
+        # every hit page is pinned before any allocation may recycle free cached pages
+        for m in sorted(self.managers, key=lambda m: isinstance(m, MambaManager)):
+            m.restore(request_id, hashes, hit_tokens)
+        for m in self.managers:
+            m.grow(request_id, num_positions)
+
+    def can_grow(self, request_id: str, num_positions: int, decoding: bool = False) -> bool:
+        return all(m.pool.can_allocate(m.num_blocks_needed(request_id, num_positions, decoding))
+                   for m in self.managers)
+
+    def grow(self, request_id: str, num_positions: int, decoding: bool = False) -> None:
+        for m in self.managers:
+            m.grow(request_id, num_positions, decoding)
+
+    def publish(self, request_id: str, hashes: RequestBlockHashes, num_computed: Sequence[int],
+                checkpoints: Sequence[int] = ()) -> list[int]:
+        """Publish complete blocks; `num_computed[g]` is how far group g's content is valid."""
+        return [m.publish(request_id, hashes, n, checkpoints) if not isinstance(m, MambaManager) else 0
+                for m, n in zip(self.managers, num_computed)]
+
+    def free(self, request_id: str) -> None:
+        for m in self.managers:
+            m.free(request_id)
+
+    def cached_keys(self) -> list[set[BlockHash]]:
+        return [set(m.pool.cached) for m in self.managers]

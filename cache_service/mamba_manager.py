@@ -1,0 +1,218 @@
+"""The Mamba group's manager: state pages per request, and retained checkpoints under a budget.
+
+    a running request holds     working page      the state after num_computed tokens
+                                boundary pages    (decoding) states at the last two alignment
+                                                  boundaries passed, for the next chat turn
+                                verify pages      (decoding, speculation) the state after each
+                                                  verified token, for rollback
+    retained checkpoints        snapshots: a copy of a state into a fresh page, published under
+                                the prefix hash of its position and released at once
+
+Working, boundary and verify pages are in use (ref_cnt > 0) and never evicted. Retained
+checkpoints are: at most `max_retained_pages` of them (the byte budget), and when one must go
+(the budget is full, or a page is needed and only cached ones are free) the one with the
+lowest expected value goes:
+
+    value = tokens saved per byte * (1 + reuses) / (1 + age / horizon)
+
+where tokens saved = the checkpoint's position, reuses = hits restored from it, age = logical
+ticks since it was made or last reused (one tick per snapshot or restore). A snapshot worth
+less than every retained one is not taken (`num_snapshots_skipped`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cache_service.block_hash import BlockHash, RequestBlockHashes
+from cache_service.block_pool import BlockPool, CacheBlock
+
+
+@dataclass
+class CheckpointStats:
+    position: int
+    num_reuses: int = 0
+    last_use: int = 0
+
+
+@dataclass
+class MambaSlots:
+    working: CacheBlock
+    boundary: list[CacheBlock]
+    boundary_positions: list[int]  # oldest first
+    verify: list[CacheBlock]
+
+
+class MambaManager:
+    RECENCY_HORIZON = 64  # ticks over which a checkpoint's value halves without reuse
+
+    def __init__(self, group_id, spec, pool: BlockPool, coordinator, backend, num_verify_pages: int = 0,
+                 max_retained_pages: int | None = None, page_size_bytes: int = 1) -> None:
+        self.group_id, self.spec, self.pool = group_id, spec, pool
+        self.coordinator, self.backend = coordinator, backend
+        self.block_size = spec.block_size
+        self.num_verify_pages = num_verify_pages
+        self.max_retained_pages = max_retained_pages
+        self.page_size_bytes = max(1, page_size_bytes)
+        self.slots: dict[str, MambaSlots] = {}
+        self.stats: dict[BlockHash, CheckpointStats] = {}
+        self.clock = 0
+        self.num_snapshots = 0
+        self.num_snapshots_skipped = 0
+        self.num_evictions = 0
+
+    # ---- the group-manager interface --------------------------------------------------------
+    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        return []  # nothing is shared: the state is copied into the request's working page
+
+    def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        return [self.pool.get_cached(hashes.prefix_hash(hit_tokens))] if hit_tokens else []
+
+    @property
+    def num_decode_pages(self) -> int:
+        return 2 + self.num_verify_pages
+
+    def num_blocks_needed(self, request_id: str, num_positions: int, decoding: bool = False) -> int:
+        slots = self.slots.get(request_id)
+        if slots is None:
+            return 1 + (self.num_decode_pages if decoding else 0)
+        return self.num_decode_pages if decoding and not slots.boundary else 0
+
+    def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
+        (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
+        if src is not None:
+            self.pool.touch([src])  # pinned: allocating the working page must not recycle it
+        (working,) = self._allocate(1)
+        self.slots[request_id] = MambaSlots(working, [], [], [])
+        if src is not None:
+            self.backend.copy_page(self.group_id, src.block_id, working.block_id)
+            self.pool.free([src])
+            self._touch_stats(src.block_hash, hit_tokens, reused=True)
+
+    def grow(self, request_id: str, num_positions: int, decoding: bool = False) -> None:
+        slots = self.slots[request_id]
+        if decoding and not slots.boundary:
+            pages = self._allocate(self.num_decode_pages)
+            slots.boundary, slots.verify = pages[:2], pages[2:]
+
+    def publish(self, request_id, hashes, num_computed, checkpoints=()) -> int:
+        return 0  # snapshots are taken where the engine's chunks stop (`snapshot`)
+
+    def free(self, request_id: str) -> None:
+        slots = self.slots.pop(request_id, None)
+        if slots is not None:
+            self.pool.free([slots.working, *slots.boundary, *slots.verify])
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.slots
+
+    # ---- states -------------------------------------------------------------------------------
+    def working_page(self, request_id: str) -> int:
+        return self.slots[request_id].working.block_id
+
+    def verify_pages(self, request_id: str, num: int) -> tuple[int, ...]:
+        return tuple(p.block_id for p in self.slots[request_id].verify[:num])
+
+    def rollback(self, request_id: str, num_accepted: int) -> None:
+        """After a verify chunk that accepted `num_accepted` drafts (fewer than proposed): the
+        working state becomes the state after the last accepted token."""
+        slots = self.slots[request_id]
+        self.backend.copy_page(self.group_id, slots.verify[num_accepted].block_id, slots.working.block_id)
+
+    def track_boundary(self, request_id: str, position: int, src_page: int) -> None:
+        """Keep the state at `position` (an alignment boundary passed while decoding; it is in
+        `src_page` now) in one of the two boundary pages, replacing the oldest."""
+        slots = self.slots[request_id]
+        if len(slots.boundary_positions) == 2:
+            slots.boundary.append(slots.boundary.pop(0))
+            slots.boundary_positions.pop(0)
+        page = slots.boundary[len(slots.boundary_positions)]
+        self.backend.copy_page(self.group_id, src_page, page.block_id)
+        slots.boundary_positions.append(position)
+
+    def boundary_states(self, request_id: str) -> list[tuple[int, int]]:
+        """(position, page id) of the kept decode boundaries, oldest first."""
+        slots = self.slots.get(request_id)
+        if slots is None:
+            return []
+        return [(pos, page.block_id) for pos, page in zip(slots.boundary_positions, slots.boundary)]
+
+    # ---- retained checkpoints -----------------------------------------------------------------
+    def snapshot(self, hashes: RequestBlockHashes, src_page: int, position: int) -> bool:
+        """Retain the state in `src_page` (the state after `position` tokens) as a checkpoint,
+        within the budget. False when not taken (already cached, not worth it, no room)."""
+        if position <= 0 or position % self.block_size:
+            return False
+        key = hashes.prefix_hash(position)
+        if key in self.pool.cached:
+            self._touch_stats(key, position)
+            return False
+        self.clock += 1
+        if self.max_retained_pages is not None and self.num_retained >= self.max_retained_pages:
+            victim = self._cheapest()
+            worth = self._value(CheckpointStats(position, 0, self.clock))
+            if victim is None or self._value(self._stats_of(victim)) >= worth:
+                self.num_snapshots_skipped += 1
+                return False
+            self._evict(victim)
+        if not self._can_take(1):
+            self.num_snapshots_skipped += 1
+            return False
+        (page,) = self._allocate(1)
+        self.backend.copy_page(self.group_id, src_page, page.block_id)
+        self.pool.cache_block(page, key)
+        self.pool.free([page])
+        self.stats[key] = CheckpointStats(position, 0, self.clock)
+        self.num_snapshots += 1
+        if len(self.stats) > 2 * self.pool.num_blocks:  # pages evicted behind our back (transfers)
+            self.stats = {k: v for k, v in self.stats.items() if k in self.pool.cached}
+        return True
+
+    @property
+    def num_retained(self) -> int:
+        return self.pool.num_cached_blocks
+
+    @property
+    def num_retained_bytes(self) -> int:
+        return self.num_retained * self.page_size_bytes
+
+    def _touch_stats(self, key: BlockHash | None, position: int, reused: bool = False) -> None:
+        if key is None:
+            return
+        self.clock += 1
+        st = self.stats.setdefault(key, CheckpointStats(position))
+        st.last_use = self.clock
+        st.num_reuses += int(reused)
+
+    def _value(self, st: CheckpointStats) -> float:
+        age = self.clock - st.last_use
+        return st.position / self.page_size_bytes * (1 + st.num_reuses) / (1 + age / self.RECENCY_HORIZON)
+
+    def _stats_of(self, block: CacheBlock) -> CheckpointStats:
+        # pages registered without a snapshot (a transfer) count as fresh, never reused
+        return self.stats.setdefault(block.block_hash, CheckpointStats(0, 0, self.clock))
+
+    def _cheapest(self) -> CacheBlock | None:
+        free = [b for b in self.pool.cached.values() if b.ref_cnt == 0]
+        return min(free, key=lambda b: (self._value(self._stats_of(b)), b.block_id), default=None)
+
+    def _evict(self, block: CacheBlock) -> None:
+        key = block.block_hash
+        self.pool.evict(key)
+        self.stats.pop(key, None)
+        self.num_evictions += 1
+
+    def _num_free_uncached(self) -> int:
+        return self.pool.num_free_blocks - sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0)
+
+    def _can_take(self, num: int) -> bool:
+        return self.pool.can_allocate(num)
+
+    def _allocate(self, num: int) -> list[CacheBlock]:
+        """Take `num` pages, evicting the retained checkpoints of least value first (not LRU)."""
+        for _ in range(max(0, num - self._num_free_uncached())):
+            victim = self._cheapest()
+            if victim is None:
+                break
+            self._evict(victim)
+        return self.pool.allocate(num, uncached_first=True)
