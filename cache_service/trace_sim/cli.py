@@ -11,11 +11,13 @@ on the same trace and adds each one's hit tokens as a ratio of the oracle's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
+from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
 from cache_service.trace_sim.config import SimConfigError, load_cost_model, load_layout
 from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
@@ -39,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=20.0, help="cache memory per replica (KV + state)")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="divide arrival times by this (2 = twice the request rate)")
+    p.add_argument("--junction-credit", type=float, default=RouterConfig().junction_credit,
+                   help="hybrid router: share of the attention match beyond the hit credited as saved")
     p.add_argument("--out", default=None, help="summary JSON path (default: stdout only)")
     p.add_argument("--parquet", default=None, help="per-request records (one file; 'all' adds a policy column)")
     p.add_argument("--plot", default=None, help="PNG: hit rate, TTFT CDF and memory split per policy")
@@ -50,7 +56,7 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
     settings = SimSettings(
         layout=load_layout(args.layout), cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
         policy=policy, budget_bytes=int(args.memory_gib * 2**30), retention=args.retention, eagle=args.eagle,
-        mamba_fraction=args.mamba_fraction, seed=args.seed)
+        mamba_fraction=args.mamba_fraction, seed=args.seed, router=RouterConfig(junction_credit=args.junction_credit))
     sim = ClusterSim(settings)
     bar = None
     if not args.no_progress:
@@ -62,7 +68,9 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
     if bar is not None:
         bar.close()
     rows = [dict(record_dict(r), policy=policy) for r in records]
-    return summarize(sim, records, wall), rows
+    summary = summarize(sim, records, wall)
+    summary["time_scale"] = args.time_scale
+    return summary, rows
 
 
 def main(argv: list[str]) -> int:
@@ -73,7 +81,11 @@ def main(argv: list[str]) -> int:
               f"{', '.join(POLICY_NAMES)} or 'all'", file=sys.stderr)
         return 2
     try:
+        if args.time_scale <= 0:
+            raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
         requests = load_trace(args.trace, args.limit)
+        if args.time_scale != 1.0:
+            requests = [dataclasses.replace(r, arrival_s=r.arrival_s / args.time_scale) for r in requests]
         results, rows = {}, []
         for policy in policies:
             results[policy], policy_rows = run_one(args, policy, requests)

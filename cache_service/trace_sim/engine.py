@@ -21,6 +21,7 @@ from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
 from cache_service.trace_sim.policies import make_policy
 from cache_service.trace_sim.replica import PrefillQueue, SimReplica
@@ -39,6 +40,7 @@ class SimSettings:
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
     seed: int = 0
+    router: RouterConfig = RouterConfig()  # the live defaults (junction credit included)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -76,8 +78,8 @@ class ClusterSim:
         self.index = GlobalIndex(len(layout.groups))
         ids = [f"r{i:03d}" for i in range(settings.num_replicas)]
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
-                                  settings.cost.prefill_tokens_per_s, settings.seed)
-        self.queues = [PrefillQueue() for _ in ids]
+                                  settings.cost.prefill_tokens_per_s, settings.seed, settings.router)
+        self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
         if self.policy.shared_cache:
             blocks = settings.layout.pool_blocks(settings.budget_bytes * settings.num_replicas, settings.mamba_fraction)
             shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None)
@@ -119,8 +121,7 @@ class ClusterSim:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
-            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length),
-            n - hit.hit_tokens + req.output_length)
+            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length), n - hit.hit_tokens)
         junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,

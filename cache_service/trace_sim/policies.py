@@ -41,8 +41,9 @@ class SimPolicy(ABC):
     shared_cache = False
 
     def __init__(self, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                 tokens_per_s: float, seed: int = 0) -> None:
+                 tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> None:
         self.index = index
+        self.router_config = router or RouterConfig()
         self.coordinator = coordinator
         self.replica_ids = list(replica_ids)
         self.position = {r: i for i, r in enumerate(self.replica_ids)}
@@ -50,12 +51,12 @@ class SimPolicy(ABC):
         self.rng = random.Random(seed)
 
     def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
-        """The load the live cluster's router sees: tokens reserved by in-flight requests."""
-        return {r: q.reserved_tokens(now) for r, q in zip(self.replica_ids, queues)}
+        """The load the cache service's router sees: each replica's reported queued tokens."""
+        return {r: q.queued_tokens(now) for r, q in zip(self.replica_ids, queues)}
 
     @staticmethod
     def least_loaded(queues: Sequence[PrefillQueue], now: float, candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda i: (queues[i].reserved_tokens(now), i))
+        return min(candidates, key=lambda i: (queues[i].queued_tokens(now), i))
 
     @abstractmethod
     def choose(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
@@ -68,7 +69,7 @@ class RouterPolicy(SimPolicy):
     def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = policy.value
-        self.router = Router(self.index, self.coordinator, policy, RouterConfig())
+        self.router = Router(self.index, self.coordinator, policy, self.router_config)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
@@ -115,8 +116,8 @@ class Oracle(SimPolicy):
 
 
 def make_policy(name: str, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                tokens_per_s: float, seed: int = 0) -> SimPolicy:
-    args = (index, coordinator, replica_ids, tokens_per_s, seed)
+                tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> SimPolicy:
+    args = (index, coordinator, replica_ids, tokens_per_s, seed, router)
     if name in ("hybrid", "attention_overlap", "round_robin"):
         return RouterPolicy(*args, policy=RoutingPolicy(name))
     table = {"power_of_two": PowerOfTwo, "ray_serve_prefix_affinity": RayServePrefixAffinity, "oracle": Oracle}
