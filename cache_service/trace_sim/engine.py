@@ -23,9 +23,11 @@ from cache_service.global_index import GlobalIndex
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
+from cache_service.trace_sim.hashing import TraceHasher
 from cache_service.trace_sim.policies import make_policy
-from cache_service.trace_sim.replica import PrefillQueue, SimReplica
-from cache_service.trace_sim.trace import TraceRequest
+from cache_service.trace_sim.prefill_queue import PrefillQueue
+from cache_service.trace_sim.replica import SimReplica
+from cache_service.trace_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from cache_service.trace_sim.value_retention import parse_value_retention
 
 
@@ -91,6 +93,8 @@ class ClusterSim:
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         groups = layout.groups
+        h = layout.hash_block_size
+        self._hasher = TraceHasher(h) if TRACE_BLOCK_TOKENS % h == 0 else None
         self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
 
     def _publish_until(self, now: float) -> None:
@@ -99,12 +103,16 @@ class ClusterSim:
             _, _, replica, hashes, num_tokens, junctions = heapq.heappop(pending)
             self.caches[replica].publish(hashes, num_tokens, junctions)
 
+    def _hash(self, req: TraceRequest) -> RequestBlockHashes:
+        if self._hasher is not None:
+            return self._hasher.hashes(req)
+        return RequestBlockHashes(self.coordinator.layout.hash_block_size, req.tokens())
+
     def step(self, req: TraceRequest) -> RequestRecord:
         now = req.arrival_s
         self._publish_until(now)
-        tokens = req.tokens()
-        hashes = RequestBlockHashes(self.coordinator.layout.hash_block_size, tokens)
-        n = len(tokens)
+        hashes = self._hash(req)
+        n = req.input_length
         choice = self.policy.choose(hashes.hashes, n, self.queues, now)
         cache = self.caches[choice.replica]
         transfer_s = 0.0

@@ -22,7 +22,8 @@ from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.router import Router, RouterConfig, RoutingPolicy
-from cache_service.trace_sim.replica import PrefillQueue
+from cache_service.scorer import AllReplicaScorer
+from cache_service.trace_sim.prefill_queue import PrefillQueue
 
 POLICY_NAMES = (
     "hybrid", "attention_overlap", "round_robin", "power_of_two", "ray_serve_prefix_affinity", "oracle",
@@ -89,18 +90,26 @@ class PowerOfTwo(SimPolicy):
 
 
 class RayServePrefixAffinity(SimPolicy):
+    """Matches come from the one-pass scorer (each replica's attention match, as the coordinator
+    computes it per replica; `tests/cache_service/test_scorer.py`)."""
+
     name = "ray_serve_prefix_affinity"
     imbalanced_threshold = 10
     match_rate_threshold = 0.1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scorer = AllReplicaScorer(self.coordinator)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         everyone = range(len(queues))
         counts = [q.num_in_flight(now) for q in queues]
         if max(counts) - min(counts) > self.imbalanced_threshold:
             return Choice(min(everyone, key=lambda i: (counts[i], i)))
-        find = self.coordinator.find_longest_hit
-        matches = [find(hashes, num_prompt_tokens, self.index.view(r), False).attention_match_tokens
-                   for r in self.replica_ids]
+        scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, self.index.routable_mask())
+        matches = [0] * len(queues)
+        for bit, tokens in scores.attention_tokens.items():
+            matches[self.position[self.index.by_bit[bit]]] = tokens
         best = max(matches)
         if best and best / num_prompt_tokens >= self.match_rate_threshold:
             return Choice(min((i for i in everyone if matches[i] == best), key=lambda i: (counts[i], i)))

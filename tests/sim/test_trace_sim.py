@@ -180,3 +180,34 @@ def test_the_junction_credit_keeps_a_sibling_on_the_kv_holder_so_the_next_one_hi
     assert (second.replica == first.replica) == (sibling_replica == "holder")
     third = sim.step(make_request(2, 20.0, [0, 9]))
     assert third.hit_tokens == third_hit
+
+
+def test_memoised_trace_hashes_equal_the_block_hash_code_on_the_shipped_trace():
+    from cache_service.block_hash import RequestBlockHashes
+    from cache_service.trace_sim.hashing import TraceHasher
+
+    requests = load_trace(DEFAULT_TRACE, limit=150)
+    hasher = TraceHasher(64)
+    for req in requests + requests[::7]:  # cold, then warm (memoised) blocks
+        got, want = hasher.hashes(req), RequestBlockHashes(64, req.tokens())
+        assert got.hashes == want.hashes and got.num_tokens == want.num_tokens == req.input_length
+
+
+def test_the_index_mirrors_every_replicas_pools_after_a_run_with_evictions():
+    """Publication goes through the pools and the wire records into the real index: after a run
+    that evicts, each replica's entries in the index are exactly its pools' cached hashes."""
+    requests = load_trace(DEFAULT_TRACE, limit=120)
+    layout = load_layout("nemotron-nano-9b-v2")
+    sim = ClusterSim(SimSettings(layout, load_cost_model("gpu"), 3, "hybrid", 2 * 2**30))
+    sim.run(requests)
+    assert sum(c.num_skipped_blocks for c in sim.caches) == 0
+    full = []
+    for cache in sim.caches:
+        bit = 1 << sim.index.replicas[cache.replica_id].bit
+        for g, pool in enumerate(cache.cache.pools):
+            in_index = {k for k, mask in sim.index.holders[g].items() if mask & bit}
+            assert in_index == set(pool.cached)
+            full.append(pool.num_cached_blocks == pool.num_blocks - 1)
+        cache.cache.check_integrity()
+    # every KV pool is full (1,536 blocks of 1 MiB for ~28K blocks of prompts): eviction events ran
+    assert full[0::2] == [True] * 3
