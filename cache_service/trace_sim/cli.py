@@ -62,14 +62,16 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc=policy, unit="req", file=sys.stderr, leave=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     records = sim.run(requests, (lambda _r: bar.update(1)) if bar is not None else None)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if bar is not None:
         bar.close()
     rows = [dict(record_dict(r), policy=policy) for r in records]
     summary = summarize(sim, records, wall)
     summary["time_scale"] = args.time_scale
+    summary["cpu_s"] = cpu  # this process's CPU time: the rate on a shared machine, beside wall_s
+    summary["simulated_requests_per_cpu_s"] = len(records) / cpu if cpu > 0 else 0.0
     return summary, rows
 
 

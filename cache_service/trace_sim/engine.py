@@ -24,10 +24,10 @@ from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
 from cache_service.trace_sim.hashing import TraceHasher
-from cache_service.trace_sim.policies import make_policy
+from cache_service.trace_sim.policies import Choice, make_policy
 from cache_service.trace_sim.prefill_queue import PrefillQueue
 from cache_service.trace_sim.replica import SimReplica
-from cache_service.trace_sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from cache_service.trace_sim.trace import TraceRequest
 from cache_service.trace_sim.value_retention import parse_value_retention
 
 
@@ -93,8 +93,7 @@ class ClusterSim:
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         groups = layout.groups
-        h = layout.hash_block_size
-        self._hasher = TraceHasher(h) if TRACE_BLOCK_TOKENS % h == 0 else None
+        self._hashers: dict[int, TraceHasher] = {}  # per trace block size
         self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
 
     def _publish_until(self, now: float) -> None:
@@ -104,16 +103,25 @@ class ClusterSim:
             self.caches[replica].publish(hashes, num_tokens, junctions)
 
     def _hash(self, req: TraceRequest) -> RequestBlockHashes:
-        if self._hasher is not None:
-            return self._hasher.hashes(req)
-        return RequestBlockHashes(self.coordinator.layout.hash_block_size, req.tokens())
+        h = self.coordinator.layout.hash_block_size
+        if req.block_tokens % h:  # a scaled trace whose blocks split hash blocks: hash the tokens
+            return RequestBlockHashes(h, req.tokens())
+        hasher = self._hashers.get(req.block_tokens)
+        if hasher is None:
+            hasher = self._hashers[req.block_tokens] = TraceHasher(h, req.block_tokens)
+        return hasher.hashes(req)
 
-    def step(self, req: TraceRequest) -> RequestRecord:
+    def step(self, req: TraceRequest, forced_replica: int | None = None) -> RequestRecord:
+        """`forced_replica`: serve there instead of asking the policy (replaying a live cluster's
+        placements, e.g. to compare hits with it)."""
         now = req.arrival_s
         self._publish_until(now)
         hashes = self._hash(req)
         n = req.input_length
-        choice = self.policy.choose(hashes.hashes, n, self.queues, now)
+        if forced_replica is not None:
+            choice = Choice(forced_replica)
+        else:
+            choice = self.policy.choose(hashes.hashes, n, self.queues, now)
         cache = self.caches[choice.replica]
         transfer_s = 0.0
         num_moved = 0
