@@ -11,7 +11,6 @@ on the same trace and adds each one's hit tokens as a ratio of the oracle's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ from cache_service.trace_sim.config import SimConfigError, load_cost_model, load
 from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
 from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.summary import summarize
-from cache_service.trace_sim.trace import TraceError, load_trace
+from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
@@ -43,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="divide arrival times by this (2 = twice the request rate)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="tokens per 512-token trace block as a fraction (the slice `loadtest trace --scale` sends)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="cut longer prompts (prefix kept)")
     p.add_argument("--junction-credit", type=float, default=RouterConfig().junction_credit,
                    help="hybrid router: share of the attention match beyond the hit credited as saved")
     p.add_argument("--out", default=None, help="summary JSON path (default: stdout only)")
@@ -83,11 +85,9 @@ def main(argv: list[str]) -> int:
               f"{', '.join(POLICY_NAMES)} or 'all'", file=sys.stderr)
         return 2
     try:
-        if args.time_scale <= 0:
-            raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
         requests = load_trace(args.trace, args.limit)
-        if args.time_scale != 1.0:
-            requests = [dataclasses.replace(r, arrival_s=r.arrival_s / args.time_scale) for r in requests]
+        if (args.scale, args.time_scale, args.max_prompt_tokens) != (1.0, 1.0, None):
+            requests = scale_requests(requests, args.scale, args.time_scale, args.max_prompt_tokens)
         results, rows = {}, []
         for policy in policies:
             results[policy], policy_rows = run_one(args, policy, requests)

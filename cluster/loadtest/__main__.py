@@ -23,7 +23,7 @@ from cluster.loadtest.compare import AXES, format_ratios, make_variants, run_com
 from cluster.loadtest.outputs import write_parquet, write_plot
 from cluster.loadtest.report import format_summaries, summarize
 from cluster.loadtest.server import ServerStartError, spawn_server
-from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig
+from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig, build_workload
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +80,7 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     if unknown:
         raise ValueError(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOADS)})")
     salt = args.salt if args.salt is not None else uuid.uuid4().hex[:8]
-    return [WorkloadConfig(
+    configs = [WorkloadConfig(
         workload=name, num_prompts=args.num_prompts, prompt_len=args.prompt_len, question_len=args.question_len,
         max_tokens=args.max_tokens, concurrency=args.concurrency, sessions=args.sessions, turns=args.turns,
         tenants=args.tenants, questions_per_tenant=args.questions_per_tenant, rate=args.rate, seed=args.seed,
@@ -88,6 +88,10 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
         trace_start=args.trace_start, trace_limit=args.trace_limit, scale=args.scale, time_scale=args.time_scale,
         max_model_len=args.max_model_len,
     ) for name in dict.fromkeys(args.workloads)]
+    for config in configs:
+        if config.workload == "trace":  # a bad file or scale is an error before any server starts
+            build_workload(config)
+    return configs
 
 
 def write_outputs(results: list[LoadTestResult], out: Path) -> dict[str, Path]:
