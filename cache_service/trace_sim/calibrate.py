@@ -39,7 +39,8 @@ def cost_from_bench(report: dict, transfer_bytes_per_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cache_service.trace_sim.calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cache_service.trace_sim.calibrate",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("report", help="bench.engine JSON")
     p.add_argument("--name", default="cpu")
     p.add_argument("--transfer-bytes-per-s", type=float, default=3.4e9)
