@@ -72,16 +72,18 @@ class AllReplicaScorer:
             spec = groups[g]
             masks = self._raw(spec, holders[g], hashes, n if spec.is_attention else top, candidates)
             if spec.is_attention:
-                attention.append(masks)
-                while top and not masks[top]:
-                    top -= 1
+                high = n  # this group's highest i served on some replica
+                while high and not masks[high]:
+                    high -= 1
+                attention.append((masks, high))
+                top = min(top, high)
             if g in self.dropping_groups:
                 masks = self._dropped(spec, holders[g], hashes, masks, num_prompt_tokens, candidates)
             serve[g] = masks + [0] * (n + 1 - len(masks))
-        hits = _sweep(serve, n, A, candidates)
+        hits = _sweep(serve, top, A, candidates)
         if not attention:
             return ReplicaScores(hits, {})
-        per_group = [_sweep([m], n, A, candidates) for m in attention]
+        per_group = [_sweep([m], high, A, candidates) for m, high in attention]
         match = {b: min(p.get(b, 0) for p in per_group) for b in per_group[0]}
         return ReplicaScores(hits, {b: v for b, v in match.items() if v})
 
