@@ -35,4 +35,3 @@ def test_learned_depth_gives_a_new_conversation_its_first_sibling_hit(retention,
     sim.step(make_request(1, 10.0, [0, 1, 5]))  # a match to 1024: the policy learns that depth
     sim.step(make_request(2, 20.0, [9, 10, 11]))  # a new prefix: value keeps a snapshot at 1024
     assert sim.step(make_request(3, 30.0, [9, 10, 12])).hit_tokens == expected
-
