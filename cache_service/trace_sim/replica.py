@@ -36,9 +36,12 @@ class RecordSink(EventSink):
         self._first_seq = 0
 
     def stored(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
-        if block_hashes:  # called once per published block: kept flat
+        if block_hashes:  # called once per published block (one hash): kept flat
             bit = 1 << group_id
-            self._records += [BlockRecord(RecordKind.STORED, key, bit) for key in block_hashes]
+            if len(block_hashes) == 1:
+                self._records.append(BlockRecord(RecordKind.STORED, block_hashes[0], bit))
+            else:
+                self._records += [BlockRecord(RecordKind.STORED, key, bit) for key in block_hashes]
             self._next_seq += 1
 
     def removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
@@ -85,7 +88,10 @@ class SimReplica:
 
     # ---- cache ----------------------------------------------------------------------------
     def lookup(self, hashes: RequestBlockHashes, num_prompt_tokens: int) -> HitResult:
-        return self.cache.lookup(hashes, num_prompt_tokens)
+        """The coordinator over this replica's pools, as a worker admits a request (without each
+        group's own answer at the cap, which only explanations use)."""
+        return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.cache.lookup_view,
+                                                 per_group=False)
 
     def _keys(self, g: int, hashes: RequestBlockHashes, num_tokens: int, checkpoints: Sequence[int]) -> list:
         """The prefix keys group `g` keeps for a request (`local_cache.retained_block_ends`)."""
