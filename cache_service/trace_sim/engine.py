@@ -111,15 +111,21 @@ class ClusterSim:
             hasher = self._hashers[req.block_tokens] = TraceHasher(h, req.block_tokens)
         return hasher.hashes(req)
 
+    def _forced(self, hashes: RequestBlockHashes, n: int, target: int) -> Choice:
+        hits = [cache.lookup(hashes, n).hit_tokens for cache in self.caches]
+        best = max(range(len(hits)), key=lambda i: (hits[i], -i))
+        return Choice(target, best, hits[best]) if hits[best] > hits[target] else Choice(target)
+
     def step(self, req: TraceRequest, forced_replica: int | None = None) -> RequestRecord:
         """`forced_replica`: serve there instead of asking the policy (replaying a live cluster's
-        placements, e.g. to compare hits with it)."""
+        placements, e.g. to compare hits with it); as the live front door does for a forced
+        target, the pages of a replica that hits more are moved there first."""
         now = req.arrival_s
         self._publish_until(now)
         hashes = self._hash(req)
         n = req.input_length
         if forced_replica is not None:
-            choice = Choice(forced_replica)
+            choice = self._forced(hashes, n, forced_replica)
         else:
             choice = self.policy.choose(hashes.hashes, n, self.queues, now)
         cache = self.caches[choice.replica]

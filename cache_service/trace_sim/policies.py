@@ -65,7 +65,10 @@ class SimPolicy(ABC):
 
 
 class RouterPolicy(SimPolicy):
-    """The cluster's own Router (hybrid may plan a transfer)."""
+    """The cluster's own Router, and what the front door does with its decision
+    (`cluster.transfers.plan_transfer`): move the pages of the service's transfer plan, or else of
+    the replica that hits more than the chosen one (the router may pick another replica for its
+    load or for a junction), before serving there."""
 
     def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -75,9 +78,13 @@ class RouterPolicy(SimPolicy):
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
         plan = decision.transfer
-        if plan is None:
-            return Choice(self.position[decision.replica_id])
-        return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
+        if plan is not None:
+            return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
+        target = decision.replica_id
+        holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
+        if holder is not None and holder.replica_id != target and holder.hit_tokens > decision.hit_on(target):
+            return Choice(self.position[target], self.position[holder.replica_id], holder.hit_tokens)
+        return Choice(self.position[target])
 
 
 class PowerOfTwo(SimPolicy):
