@@ -1,9 +1,10 @@
 """The simulator against the live cluster: the same scaled trace slice, sent in a fixed order
 (one request at a time) through a real 2-replica Ray cluster on loopback with the tiny model,
 then replayed through the simulator with the tiny model's layout, the same EAGLE mode and
-retention, each request placed where the live router placed it. Every request's simulated hit
-equals the live engine's `num_cached_tokens` (what `usage.prompt_tokens_details.cached_tokens`
-reports)."""
+retention, each request placed where the live router placed it (the live router breaks ties at
+random) and, as the live front door does, given the pages of a replica that hits more before it
+is served there. Every request's simulated hit equals the live engine's `num_cached_tokens` (what
+`usage.prompt_tokens_details.cached_tokens` reports)."""
 
 import dataclasses
 import os
