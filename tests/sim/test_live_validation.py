@@ -8,6 +8,7 @@ is served there. Every request's simulated hit equals the live engine's `num_cac
 
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -42,6 +43,18 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
+def wait_until_indexed(backend, max_polls: int = 600) -> None:
+    """Until the cache service's index equals every replica's cache (events arrive at most an
+    engine step or heartbeat after a request ends): the router then sees what the simulator's
+    index sees, and a holder is never missed for want of its last events."""
+    for _ in range(max_polls):
+        problems = backend.index_problems()
+        if not problems:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the index never caught up with the replicas: {problems}")
+
+
 def test_simulated_hits_equal_the_live_clusters_cached_tokens(ray_session, tiny_dir):
     from cluster.cluster_backend import BackendConfig, ClusterBackend
 
@@ -54,9 +67,10 @@ def test_simulated_hits_equal_the_live_clusters_cached_tokens(ray_session, tiny_
     try:
         ids = list(backend.replica_ids)
         live = []
-        for prompt in prompts:  # one at a time: each finishes (and publishes) before the next
+        for prompt in prompts:  # one at a time: each finishes and is in the index before the next
             out, replica = backend.generate(list(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
             live.append((ids.index(replica), out.num_cached_tokens))
+            wait_until_indexed(backend)
     finally:
         backend.shutdown()
     sim = ClusterSim(SimSettings(load_layout("tiny-nemotron-h"), load_cost_model("cpu"), 2, "hybrid",
