@@ -2,7 +2,9 @@
 (the reconciled hybrid hit, with the coordinator's semantics) plus its load.
 
 Policies, for comparison:
-    hybrid             cost = prefill(N - reconciled hit on r) + load(r); may plan a transfer
+    hybrid             cost = prefill(N - hit(r) - c * (match(r) - hit(r))) + load(r); may plan a
+                       transfer (hit: the reconciled hit; match: the attention match; c: the
+                       junction credit, below)
     attention_overlap  like routers built for dense models: counts matched attention blocks
                        only, blind to where Mamba snapshots live
     round_robin, random
@@ -10,6 +12,13 @@ Every replica is scored in one pass over the prompt's chain (`scorer.AllReplicaS
 decision costs O(blocks + replicas), not a coordinator run per replica. Equal costs prefer the
 replica holding more of the prompt's attention KV, then the less loaded one, then a random one
 (an idle cluster spreads requests instead of sending all of them to the first replica).
+Junction credit: where a replica's attention match runs past its reconciled hit (a follow-up turn
+or a sibling sharing a prefix, under latest-only retention), serving the request there snapshots
+the junction at the match (`HybridCoordinator.junctions`), so the conversation's next request
+hits it on that replica; elsewhere no junction forms and the session's KV and state drift apart.
+The credit `c` (0 <= c < 1) prices that future hit against load: a fraction of the match beyond
+the hit counts as saved, less than a real hit of the same length (c < 1): at equal load a replica
+with a real hit h beats one holding only KV for a match m < h / c.
 A transfer competes when the best holder is busy: a less-loaded replica receives the holder's
 KV pages and Mamba page for the hit, then serves a normal local hit.
 """
@@ -42,6 +51,13 @@ class RouterConfig:
     load_cost_per_queued_token: float = 1.0
     transfer_cost_per_token: float = 0.05  # moving a token's pages vs recomputing it
     min_transfer_tokens: int = 256
+    # share of the attention match beyond the reconciled hit credited as saved (a junction forms
+    # there); 0.5 measured on the Mooncake trace (README "Trace-driven simulation")
+    junction_credit: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.junction_credit < 1.0:
+            raise ValueError(f"junction_credit must be in [0, 1), got {self.junction_credit}")
 
 
 MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages from the best one)
@@ -95,7 +111,7 @@ class Router:
         best_key, best = None, []
         for r in special:
             n = load.get(r, 0)
-            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n), -attention.get(r, 0), n)
+            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n, attention.get(r, 0)), -attention.get(r, 0), n)
             if best_key is None or key < best_key:
                 best_key, best = key, [r]
             elif key == best_key:
@@ -114,7 +130,8 @@ class Router:
             chosen = forced
         holders = sorted(special, key=lambda r: (-hits.get(r, 0), -attention.get(r, 0), r))[:MAX_ESTIMATES]
         estimate = {r: ReplicaEstimate(r, hits.get(r, 0), self._cost(num_prompt_tokens, hits.get(r, 0),
-                                                                     load.get(r, 0)), attention.get(r, 0))
+                                                                     load.get(r, 0), attention.get(r, 0)),
+                                       attention.get(r, 0))
                     for r in sorted({chosen, *holders})}
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
         if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
@@ -122,9 +139,14 @@ class Router:
             decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
         return decision
 
-    def _cost(self, num_prompt_tokens: int, hit: int, load: int) -> float:
+    def _cost(self, num_prompt_tokens: int, hit: int, load: int, match: int = 0) -> float:
+        """`match`: the attention match (a junction forms above `hit`; credited for hybrid only,
+        where the hit is the reconciled one and so can fall short of the match)."""
         c = self.config
-        return (num_prompt_tokens - hit) * c.prefill_cost_per_token + load * c.load_cost_per_queued_token
+        saved = hit
+        if match > hit and self.policy is RoutingPolicy.HYBRID:
+            saved += c.junction_credit * (match - hit)
+        return (num_prompt_tokens - saved) * c.prefill_cost_per_token + load * c.load_cost_per_queued_token
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
                         best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:

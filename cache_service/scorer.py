@@ -60,33 +60,47 @@ class AllReplicaScorer:
         A, h = self.alignment, self.hash_block_size
         cap = max(0, min(num_prompt_tokens - 1, len(hashes) * h))
         n = cap // A  # candidate lengths i * A, i = 0..n
-        serve = []  # per group: the replicas serving i * A, i = 0..n
+        groups = self.layout.groups
+        serve: list[list[int]] = [[] for _ in groups]  # per group: the replicas serving i * A, i = 0..n
         attention = []
-        for g, spec in enumerate(self.layout.groups):
-            masks = self._raw(spec, holders[g], hashes, n, candidates)
+        # attention groups first: above the highest i at which some replica's attention group
+        # serves (`top`, the least over those groups) nobody hits, so the exact-position groups
+        # (Mamba) are probed only up to there
+        order = sorted(range(len(groups)), key=lambda g: not groups[g].is_attention)
+        top = n
+        for g in order:
+            spec = groups[g]
+            masks = self._raw(spec, holders[g], hashes, n if spec.is_attention else top, candidates)
             if spec.is_attention:
-                attention.append(masks)
+                high = n  # this group's highest i served on some replica
+                while high and not masks[high]:
+                    high -= 1
+                attention.append((masks, high))
+                top = min(top, high)
             if g in self.dropping_groups:
                 masks = self._dropped(spec, holders[g], hashes, masks, num_prompt_tokens, candidates)
-            serve.append(masks)
-        hits = _sweep(serve, n, A, candidates)
+            serve[g] = masks + [0] * (n + 1 - len(masks))
+        hits = _sweep(serve, top, A, candidates)
         if not attention:
             return ReplicaScores(hits, {})
-        per_group = [_sweep([m], n, A, candidates) for m in attention]
+        per_group = [_sweep([m], high, A, candidates) for m, high in attention]
         match = {b: min(p.get(b, 0) for p in per_group) for b in per_group[0]}
         return ReplicaScores(hits, {b: v for b, v in match.items() if v})
 
     def _raw(self, spec, holders, hashes, n: int, everyone: int) -> list[int]:
-        """masks[i]: the replicas on which this group itself serves i * A."""
+        """masks[i]: the replicas on which this group itself serves i * A, for i = 0..n."""
         A, h = self.alignment, self.hash_block_size
         masks = [everyone] + [0] * n
+        get = holders.get
         if isinstance(spec, MambaSpec):
+            step = A // h
             for i in range(1, n + 1):
-                masks[i] = holders.get(hashes[i * A // h - 1], 0) & everyone
+                masks[i] = get(hashes[i * step - 1], 0) & everyone
             return masks
         b = spec.block_size
-        blocks = [holders.get(hashes[(j + 1) * b // h - 1], 0) for j in range(n * A // b)]
+        per_block = b // h
         if isinstance(spec, SlidingWindowSpec):
+            blocks = [get(hashes[(j + 1) * per_block - 1], 0) for j in range(n * A // b)]
             for i in range(1, n + 1):
                 end = i * A // b
                 acc = everyone
@@ -97,9 +111,9 @@ class AllReplicaScorer:
                 masks[i] = acc
             return masks
         acc, per_a = everyone, A // b
-        for i in range(1, n + 1):
+        for i in range(1, n + 1):  # a running AND: stops at the first block no replica holds
             for j in range((i - 1) * per_a, i * per_a):
-                acc &= blocks[j]
+                acc &= get(hashes[(j + 1) * per_block - 1], 0)
             if not acc:
                 break
             masks[i] = acc

@@ -2,9 +2,12 @@
 R replicas, each with a real `LocalPrefixCache` (block pools, eviction, retention, junctions),
 routed by the real `GlobalIndex` + `Router`, with a simple prefill/decode cost model.
 
-    trace.py     Mooncake JSONL -> requests; deterministic tokens per hash id
+    trace.py     Mooncake JSONL -> requests; deterministic tokens per hash id; scaled slices
+    hashing.py   block hashes of trace requests, memoised per (parent hash, block id)
     config.py    layouts (group specs + page bytes) and cost models from configs/sim/*.yaml
-    replica.py   one simulated replica: its cache, its event feed, its prefill queue
+    calibrate.py a cost model from a bench.engine report
+    replica.py   one simulated replica: its cache and its event feed into the global index
+    prefill_queue.py  a replica's compute in simulated time and the load it reports
     policies.py  routing policies (the real Router plus power_of_two, Ray Serve affinity, oracle)
     engine.py    the simulated-time loop and per-request records
     summary.py   the summary JSON of one run

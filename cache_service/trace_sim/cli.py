@@ -16,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
 from cache_service.trace_sim.config import SimConfigError, load_cost_model, load_layout
 from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
 from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.summary import summarize
-from cache_service.trace_sim.trace import TraceError, load_trace
+from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=20.0, help="cache memory per replica (KV + state)")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="divide arrival times by this (2 = twice the request rate)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="tokens per 512-token trace block as a fraction (the slice `loadtest trace --scale` sends)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="cut longer prompts (prefix kept)")
+    p.add_argument("--junction-credit", type=float, default=RouterConfig().junction_credit,
+                   help="hybrid router: share of the attention match beyond the hit credited as saved")
     p.add_argument("--out", default=None, help="summary JSON path (default: stdout only)")
     p.add_argument("--parquet", default=None, help="per-request records (one file; 'all' adds a policy column)")
     p.add_argument("--plot", default=None, help="PNG: hit rate, TTFT CDF and memory split per policy")
@@ -50,19 +58,23 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
     settings = SimSettings(
         layout=load_layout(args.layout), cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
         policy=policy, budget_bytes=int(args.memory_gib * 2**30), retention=args.retention, eagle=args.eagle,
-        mamba_fraction=args.mamba_fraction, seed=args.seed)
+        mamba_fraction=args.mamba_fraction, seed=args.seed, router=RouterConfig(junction_credit=args.junction_credit))
     sim = ClusterSim(settings)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc=policy, unit="req", file=sys.stderr, leave=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     records = sim.run(requests, (lambda _r: bar.update(1)) if bar is not None else None)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if bar is not None:
         bar.close()
     rows = [dict(record_dict(r), policy=policy) for r in records]
-    return summarize(sim, records, wall), rows
+    summary = summarize(sim, records, wall)
+    summary["time_scale"] = args.time_scale
+    summary["cpu_s"] = cpu  # this process's CPU time: the rate on a shared machine, beside wall_s
+    summary["simulated_requests_per_cpu_s"] = len(records) / cpu if cpu > 0 else 0.0
+    return summary, rows
 
 
 def main(argv: list[str]) -> int:
@@ -74,6 +86,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         requests = load_trace(args.trace, args.limit)
+        if (args.scale, args.time_scale, args.max_prompt_tokens) != (1.0, 1.0, None):
+            requests = scale_requests(requests, args.scale, args.time_scale, args.max_prompt_tokens)
         results, rows = {}, []
         for policy in policies:
             results[policy], policy_rows = run_one(args, policy, requests)

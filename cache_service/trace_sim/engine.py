@@ -21,9 +21,12 @@ from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
-from cache_service.trace_sim.policies import make_policy
-from cache_service.trace_sim.replica import PrefillQueue, SimReplica
+from cache_service.trace_sim.hashing import TraceHasher
+from cache_service.trace_sim.policies import Choice, make_policy
+from cache_service.trace_sim.prefill_queue import PrefillQueue
+from cache_service.trace_sim.replica import SimReplica
 from cache_service.trace_sim.trace import TraceRequest
 from cache_service.trace_sim.value_retention import parse_value_retention
 
@@ -39,6 +42,7 @@ class SimSettings:
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
     seed: int = 0
+    router: RouterConfig = RouterConfig()  # the live defaults (junction credit included)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -76,8 +80,8 @@ class ClusterSim:
         self.index = GlobalIndex(len(layout.groups))
         ids = [f"r{i:03d}" for i in range(settings.num_replicas)]
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
-                                  settings.cost.prefill_tokens_per_s, settings.seed)
-        self.queues = [PrefillQueue() for _ in ids]
+                                  settings.cost.prefill_tokens_per_s, settings.seed, settings.router)
+        self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
         if self.policy.shared_cache:
             blocks = settings.layout.pool_blocks(settings.budget_bytes * settings.num_replicas, settings.mamba_fraction)
             shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None)
@@ -89,6 +93,7 @@ class ClusterSim:
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         groups = layout.groups
+        self._hashers: dict[int, TraceHasher] = {}  # per trace block size
         self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
 
     def _publish_until(self, now: float) -> None:
@@ -97,13 +102,32 @@ class ClusterSim:
             _, _, replica, hashes, num_tokens, junctions = heapq.heappop(pending)
             self.caches[replica].publish(hashes, num_tokens, junctions)
 
-    def step(self, req: TraceRequest) -> RequestRecord:
+    def _hash(self, req: TraceRequest) -> RequestBlockHashes:
+        h = self.coordinator.layout.hash_block_size
+        if req.block_tokens % h:  # a scaled trace whose blocks split hash blocks: hash the tokens
+            return RequestBlockHashes(h, req.tokens())
+        hasher = self._hashers.get(req.block_tokens)
+        if hasher is None:
+            hasher = self._hashers[req.block_tokens] = TraceHasher(h, req.block_tokens)
+        return hasher.hashes(req)
+
+    def _forced(self, hashes: RequestBlockHashes, n: int, target: int) -> Choice:
+        hits = [cache.lookup(hashes, n).hit_tokens for cache in self.caches]
+        best = max(range(len(hits)), key=lambda i: (hits[i], -i))
+        return Choice(target, best, hits[best]) if hits[best] > hits[target] else Choice(target)
+
+    def step(self, req: TraceRequest, forced_replica: int | None = None) -> RequestRecord:
+        """`forced_replica`: serve there instead of asking the policy (replaying a live cluster's
+        placements, e.g. to compare hits with it); as the live front door does for a forced
+        target, the pages of a replica that hits more are moved there first."""
         now = req.arrival_s
         self._publish_until(now)
-        tokens = req.tokens()
-        hashes = RequestBlockHashes(self.coordinator.layout.hash_block_size, tokens)
-        n = len(tokens)
-        choice = self.policy.choose(hashes.hashes, n, self.queues, now)
+        hashes = self._hash(req)
+        n = req.input_length
+        if forced_replica is not None:
+            choice = self._forced(hashes, n, forced_replica)
+        else:
+            choice = self.policy.choose(hashes.hashes, n, self.queues, now)
         cache = self.caches[choice.replica]
         transfer_s = 0.0
         num_moved = 0
@@ -119,8 +143,7 @@ class ClusterSim:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
-            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length),
-            n - hit.hit_tokens + req.output_length)
+            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length), n - hit.hit_tokens)
         junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,

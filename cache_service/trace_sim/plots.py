@@ -40,7 +40,7 @@ def plot_run(summaries: Mapping[str, dict], rows: Sequence[dict], path: str | Pa
     ax_mem.legend(fontsize=7)
     first = next(iter(summaries.values()))
     fig.suptitle(f"{first['layout']}, R={first['num_replicas']}, retention {first['retention']}, "
-                 f"eagle {first['eagle']}, {first['num_requests']} requests")
+                 f"eagle {first['eagle']}, {first['num_requests']} requests, time scale {first.get('time_scale', 1)}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

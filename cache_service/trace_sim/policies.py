@@ -22,7 +22,8 @@ from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.router import Router, RouterConfig, RoutingPolicy
-from cache_service.trace_sim.replica import PrefillQueue
+from cache_service.scorer import AllReplicaScorer
+from cache_service.trace_sim.prefill_queue import PrefillQueue
 
 POLICY_NAMES = (
     "hybrid", "attention_overlap", "round_robin", "power_of_two", "ray_serve_prefix_affinity", "oracle",
@@ -41,8 +42,9 @@ class SimPolicy(ABC):
     shared_cache = False
 
     def __init__(self, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                 tokens_per_s: float, seed: int = 0) -> None:
+                 tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> None:
         self.index = index
+        self.router_config = router or RouterConfig()
         self.coordinator = coordinator
         self.replica_ids = list(replica_ids)
         self.position = {r: i for i, r in enumerate(self.replica_ids)}
@@ -50,12 +52,12 @@ class SimPolicy(ABC):
         self.rng = random.Random(seed)
 
     def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
-        """The load the live cluster's router sees: tokens reserved by in-flight requests."""
-        return {r: q.reserved_tokens(now) for r, q in zip(self.replica_ids, queues)}
+        """The load the cache service's router sees: each replica's reported queued tokens."""
+        return {r: q.queued_tokens(now) for r, q in zip(self.replica_ids, queues)}
 
     @staticmethod
     def least_loaded(queues: Sequence[PrefillQueue], now: float, candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda i: (queues[i].reserved_tokens(now), i))
+        return min(candidates, key=lambda i: (queues[i].queued_tokens(now), i))
 
     @abstractmethod
     def choose(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
@@ -63,19 +65,26 @@ class SimPolicy(ABC):
 
 
 class RouterPolicy(SimPolicy):
-    """The cluster's own Router (hybrid may plan a transfer)."""
+    """The cluster's own Router, and what the front door does with its decision
+    (`cluster.transfers.plan_transfer`): move the pages of the service's transfer plan, or else of
+    the replica that hits more than the chosen one (the router may pick another replica for its
+    load or for a junction), before serving there."""
 
     def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = policy.value
-        self.router = Router(self.index, self.coordinator, policy, RouterConfig())
+        self.router = Router(self.index, self.coordinator, policy, self.router_config)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
         plan = decision.transfer
-        if plan is None:
-            return Choice(self.position[decision.replica_id])
-        return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
+        if plan is not None:
+            return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
+        target = decision.replica_id
+        holder = max(decision.estimates, key=lambda e: e.hit_tokens, default=None)
+        if holder is not None and holder.replica_id != target and holder.hit_tokens > decision.hit_on(target):
+            return Choice(self.position[target], self.position[holder.replica_id], holder.hit_tokens)
+        return Choice(self.position[target])
 
 
 class PowerOfTwo(SimPolicy):
@@ -88,18 +97,26 @@ class PowerOfTwo(SimPolicy):
 
 
 class RayServePrefixAffinity(SimPolicy):
+    """Matches come from the one-pass scorer (each replica's attention match, as the coordinator
+    computes it per replica; `tests/cache_service/test_scorer.py`)."""
+
     name = "ray_serve_prefix_affinity"
     imbalanced_threshold = 10
     match_rate_threshold = 0.1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scorer = AllReplicaScorer(self.coordinator)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         everyone = range(len(queues))
         counts = [q.num_in_flight(now) for q in queues]
         if max(counts) - min(counts) > self.imbalanced_threshold:
             return Choice(min(everyone, key=lambda i: (counts[i], i)))
-        find = self.coordinator.find_longest_hit
-        matches = [find(hashes, num_prompt_tokens, self.index.view(r), False).attention_match_tokens
-                   for r in self.replica_ids]
+        scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, self.index.routable_mask())
+        matches = [0] * len(queues)
+        for bit, tokens in scores.attention_tokens.items():
+            matches[self.position[self.index.by_bit[bit]]] = tokens
         best = max(matches)
         if best and best / num_prompt_tokens >= self.match_rate_threshold:
             return Choice(min((i for i in everyone if matches[i] == best), key=lambda i: (counts[i], i)))
@@ -115,8 +132,8 @@ class Oracle(SimPolicy):
 
 
 def make_policy(name: str, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                tokens_per_s: float, seed: int = 0) -> SimPolicy:
-    args = (index, coordinator, replica_ids, tokens_per_s, seed)
+                tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> SimPolicy:
+    args = (index, coordinator, replica_ids, tokens_per_s, seed, router)
     if name in ("hybrid", "attention_overlap", "round_robin"):
         return RouterPolicy(*args, policy=RoutingPolicy(name))
     table = {"power_of_two": PowerOfTwo, "ray_serve_prefix_affinity": RayServePrefixAffinity, "oracle": Oracle}

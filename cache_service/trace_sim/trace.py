@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +28,44 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per hash id (less in a scaled slice)
 
-    def tokens(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+    def tokens(self) -> list[int]:
         out: list[int] = []
+        size = self.block_tokens
         for h in self.hash_ids:
-            base = h * block_tokens + 1
-            out.extend(range(base, base + block_tokens))
+            base = h * size + 1
+            out.extend(range(base, base + size))
         return out[: self.input_length]
+
+
+def scale_requests(requests: Sequence[TraceRequest], scale: float = 1.0, time_scale: float = 1.0,
+                   max_prompt_tokens: int | None = None) -> list[TraceRequest]:
+    """A slice made to fit a small server: each 512-token block becomes `round(512 * scale)`
+    tokens (the last block cut in proportion), prompts longer than `max_prompt_tokens` keep only
+    their prefix (whole blocks dropped from the end), arrivals are divided by `time_scale` and
+    start at 0. Equal hash ids still share exactly, so the sharing structure is the trace's."""
+    if not 0 < scale <= 1:
+        raise TraceError(f"--scale must be in (0, 1], got {scale}")
+    if time_scale <= 0:
+        raise TraceError(f"--time-scale must be positive, got {time_scale}")
+    size = round(TRACE_BLOCK_TOKENS * scale)
+    if size < 1:
+        raise TraceError(f"--scale {scale} leaves less than one token per trace block")
+    t0 = requests[0].arrival_s if requests else 0.0
+    out = []
+    for i, req in enumerate(requests):
+        last = req.input_length - (len(req.hash_ids) - 1) * req.block_tokens  # tokens of the last block
+        n = (len(req.hash_ids) - 1) * size + max(1, round(last * size / req.block_tokens))
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            if max_prompt_tokens < 2:
+                raise TraceError(f"max prompt length {max_prompt_tokens} leaves no room for a prompt")
+            n = max_prompt_tokens
+        n = max(2, n)
+        num_blocks = -(-n // size)
+        out.append(TraceRequest(i, (req.arrival_s - t0) / time_scale, n, req.output_length,
+                                req.hash_ids[:num_blocks], size))
+    return out
 
 
 def _parse(line: str, index: int, where: str, block_tokens: int) -> TraceRequest:

@@ -3,6 +3,7 @@
     hybridserve loadtest resend tenants                    # spawn a server from --config, run two workloads
     hybridserve loadtest chat --url http://127.0.0.1:8000  # drive a running server
     hybridserve loadtest resend --compare                  # one server per policy / EAGLE / retention variant
+    hybridserve loadtest trace --trace bench/traces/mooncake_synthetic_trace.jsonl.gz --scale 0.0625 --time-scale 4
 
 Writes OUT/records.parquet (one row per request), OUT/loadtest.png, OUT/summary.json and prints a
 table (with --compare, also ratios against the baseline variant).
@@ -22,7 +23,7 @@ from cluster.loadtest.compare import AXES, format_ratios, make_variants, run_com
 from cluster.loadtest.outputs import write_parquet, write_plot
 from cluster.loadtest.report import format_summaries, summarize
 from cluster.loadtest.server import ServerStartError, spawn_server
-from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig
+from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig, build_workload
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--salt", default=None,
                       help="cache_salt prefix (default: fresh per run, so cold stays cold on a reused server)")
     size.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request timeout (s)")
+    trace = p.add_argument_group("trace workload (a Mooncake-format trace slice)")
+    trace.add_argument("--trace", default=None, help="Mooncake JSONL (.jsonl or .jsonl.gz)")
+    trace.add_argument("--trace-start", type=int, default=d.trace_start, help="first request of the slice")
+    trace.add_argument("--trace-limit", type=int, default=d.trace_limit, help="requests in the slice")
+    trace.add_argument("--scale", type=float, default=d.scale,
+                       help="tokens per 512-token trace block, as a fraction (1/16: 32 tokens)")
+    trace.add_argument("--time-scale", type=float, default=d.time_scale, help="arrivals divided by this")
+    trace.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="prompts are cut (prefix kept) so prompt + max_tokens fit the server's max_model_len")
     p.add_argument("--out", default="out/loadtest", help="output directory (default: out/loadtest, git-ignored)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -70,12 +80,18 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     if unknown:
         raise ValueError(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOADS)})")
     salt = args.salt if args.salt is not None else uuid.uuid4().hex[:8]
-    return [WorkloadConfig(
+    configs = [WorkloadConfig(
         workload=name, num_prompts=args.num_prompts, prompt_len=args.prompt_len, question_len=args.question_len,
         max_tokens=args.max_tokens, concurrency=args.concurrency, sessions=args.sessions, turns=args.turns,
         tenants=args.tenants, questions_per_tenant=args.questions_per_tenant, rate=args.rate, seed=args.seed,
-        salt=f"{salt}-{name}-" if salt else "", timeout_s=args.timeout,
+        salt=f"{salt}-{name}-" if salt else "", timeout_s=args.timeout, trace=args.trace,
+        trace_start=args.trace_start, trace_limit=args.trace_limit, scale=args.scale, time_scale=args.time_scale,
+        max_model_len=args.max_model_len,
     ) for name in dict.fromkeys(args.workloads)]
+    for config in configs:
+        if config.workload == "trace":  # a bad file or scale is an error before any server starts
+            build_workload(config)
+    return configs
 
 
 def write_outputs(results: list[LoadTestResult], out: Path) -> dict[str, Path]:

@@ -9,6 +9,7 @@ data: the same `WorkloadConfig` always builds the same prompts.
     tenants  tenant t: sys_t+q0 (cold)     then sys_t+q1, sys_t+q2 .. (warm, after every cold one:
                                            the system prompt ends at a shared-prefix junction)
     mixed    the three above, interleaved, arriving at `rate` requests/s
+    trace    a slice of a Mooncake trace at its own (scaled) arrival times (trace_workload.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from workers.train.byte_tokenizer import encode
 
-WORKLOADS = ("resend", "chat", "tenants", "mixed")
+WORKLOADS = ("resend", "chat", "tenants", "mixed", "trace")
 MIXED_DEFAULT_RATE = 4.0  # requests/s when `mixed` is run without a rate
 
 _WORDS = (
@@ -49,6 +50,12 @@ class WorkloadConfig:
     seed: int = 0
     salt: str | None = None  # prefix of every cache_salt; None: a fresh one per run (cold stays cold); "": none
     timeout_s: float = 120.0
+    trace: str | None = None  # trace: the Mooncake file, slice, scales (see trace_workload.py)
+    trace_start: int = 0
+    trace_limit: int = 64
+    scale: float = 1.0 / 16
+    time_scale: float = 1.0
+    max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -59,6 +66,12 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rate is not None and self.rate <= 0:
             raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
+        if self.workload == "trace" and not self.trace:
+            raise ValueError("the trace workload needs --trace FILE "
+                             "(e.g. bench/traces/mooncake_synthetic_trace.jsonl.gz)")
+        if self.max_model_len <= self.max_tokens + 1:
+            raise ValueError(f"max_model_len {self.max_model_len} leaves no room for a prompt and "
+                             f"{self.max_tokens} output tokens")
 
     def replace(self, **changes) -> WorkloadConfig:
         return dataclasses.replace(self, **changes)
@@ -178,8 +191,27 @@ def _with_arrivals(specs: list[RequestSpec], rate: float, rng: random.Random) ->
     return out
 
 
+def build_trace(config: WorkloadConfig) -> list[RequestSpec]:
+    from cluster.loadtest.trace_workload import trace_prompts, trace_slice
+
+    requests = trace_slice(config.trace, config.trace_start, config.trace_limit, config.scale, config.time_scale,
+                           config.max_model_len - config.max_tokens)
+    salt = _salt(config, "trace")
+    seen: set[int] = set()
+    specs = []
+    for req, prompt in zip(requests, trace_prompts(requests, config.seed)):
+        first = req.hash_ids[0]
+        specs.append(RequestSpec(req.index, "trace", "warm" if first in seen else "cold", f"b{first}", 0, prompt,
+                                 max(1, min(req.output_length, config.max_tokens)), salt,
+                                 arrival_s=round(req.arrival_s, 6)))
+        seen.add(first)
+    return specs
+
+
 def build_workload(config: WorkloadConfig) -> Workload:
     """The workload named by `config.workload`; identical configs give identical workloads."""
+    if config.workload == "trace":
+        return Workload("trace", tuple(build_trace(config)))
     if config.workload == "mixed":
         specs = _interleave([build_resend(config), build_chat(config), build_tenants(config)])
     else:

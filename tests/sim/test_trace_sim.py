@@ -8,6 +8,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from cache_service.router import RouterConfig
 from cache_service.specs import CacheLayout, parse_group_spec
 from cache_service.trace_sim.cli import DEFAULT_TRACE, main
 from cache_service.trace_sim.config import CostModel, SimLayout, load_cost_model, load_layout
@@ -152,12 +153,61 @@ def test_shipped_layouts_size_pools_from_page_bytes(name, expected, resend_hit):
     assert sim.step(make_request(1, 10.0, [0, 1, 2, 3, 4, 5])).hit_tokens == resend_hit
 
 
-def test_load_is_the_clusters_reservation_held_until_the_request_finishes():
+def test_load_is_what_a_replica_reports_prefill_then_decode_left():
     sim = make_sim("hybrid", replicas=2)
-    a = sim.step(make_request(0, 0.0, [0, 1]))  # reserves 1024 + 4 tokens until 1.024 + 0.04 s
-    assert sim.queues[a.replica].reserved_tokens(0.5) == 1028
+    a = sim.step(make_request(0, 0.0, [0, 1]))  # prefill 1024 tokens until 1.024 s, 4 decode steps to 1.064
+    queue = sim.queues[a.replica]
+    assert queue.queued_tokens(0.0) == 1024 + 0 and queue.queued_tokens(0.5) == 1024 - 500
     b = sim.step(make_request(1, 0.5, [5, 6]))  # no shared prefix: the idle replica wins
     assert b.replica != a.replica
-    assert sim.queues[a.replica].reserved_tokens(1.064) == 0 and sim.queues[a.replica].num_in_flight(1.064) == 0
+    assert queue.queued_tokens(1.044) == 2 and queue.num_in_flight(1.044) == 1  # decode steps left
+    assert queue.queued_tokens(1.064) == 0 and queue.num_in_flight(1.064) == 0
 
 
+@pytest.mark.parametrize(("credit", "sibling_replica", "third_hit"), [(0.5, "holder", 512), (0.0, "other", 0)])
+def test_the_junction_credit_keeps_a_sibling_on_the_kv_holder_so_the_next_one_hits(credit, sibling_replica,
+                                                                                   third_hit):
+    """Latest retention: the first request leaves KV for [0, 1024) and snapshots at 960 and 1024.
+    A sibling sharing block 0 hits nothing anywhere (no snapshot at 512); the holder is 1 token
+    busier (decode left). Credited, the sibling goes there and snapshots the junction at 512,
+    which the third sibling hits; without the credit it goes by load and no junction forms."""
+    sim = ClusterSim(SimSettings(LAYOUT, COST, 2, "hybrid", 10**8, mamba_fraction=0.5,
+                                 router=RouterConfig(junction_credit=credit)))
+    first = sim.step(make_request(0, 0.0, [0, 1]))
+    assert sim.queues[first.replica].queued_tokens(1.05) == 1
+    second = sim.step(make_request(1, 1.05, [0, 5]))
+    assert (second.hit_tokens, second.attention_match_tokens if second.replica == first.replica else 512) == (0, 512)
+    assert (second.replica == first.replica) == (sibling_replica == "holder")
+    third = sim.step(make_request(2, 20.0, [0, 9]))
+    assert third.hit_tokens == third_hit
+
+
+def test_memoised_trace_hashes_equal_the_block_hash_code_on_the_shipped_trace():
+    from cache_service.block_hash import RequestBlockHashes
+    from cache_service.trace_sim.hashing import TraceHasher
+
+    requests = load_trace(DEFAULT_TRACE, limit=150)
+    hasher = TraceHasher(64)
+    for req in requests + requests[::7]:  # cold, then warm (memoised) blocks
+        got, want = hasher.hashes(req), RequestBlockHashes(64, req.tokens())
+        assert got.hashes == want.hashes and got.num_tokens == want.num_tokens == req.input_length
+
+
+def test_the_index_mirrors_every_replicas_pools_after_a_run_with_evictions():
+    """Publication goes through the pools and the wire records into the real index: after a run
+    that evicts, each replica's entries in the index are exactly its pools' cached hashes."""
+    requests = load_trace(DEFAULT_TRACE, limit=120)
+    layout = load_layout("nemotron-nano-9b-v2")
+    sim = ClusterSim(SimSettings(layout, load_cost_model("gpu"), 3, "hybrid", 2 * 2**30))
+    sim.run(requests)
+    assert sum(c.num_skipped_blocks for c in sim.caches) == 0
+    full = []
+    for cache in sim.caches:
+        bit = 1 << sim.index.replicas[cache.replica_id].bit
+        for g, pool in enumerate(cache.cache.pools):
+            in_index = {k for k, mask in sim.index.holders[g].items() if mask & bit}
+            assert in_index == set(pool.cached)
+            full.append(pool.num_cached_blocks == pool.num_blocks - 1)
+        cache.cache.check_integrity()
+    # every KV pool is full (1,536 blocks of 1 MiB for ~28K blocks of prompts): eviction events ran
+    assert full[0::2] == [True] * 3
