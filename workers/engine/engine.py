@@ -147,14 +147,15 @@ class LLMEngine:
         if not scheduled:
             return []
         hidden = self.model.forward(self._batch(scheduled), self.caches)  # [T, hidden]
+        logits = self._step_logits(scheduled, hidden)
         new_tokens: dict[str, list[int]] = {}
         draft_inputs: list[DraftInput] = []
         row = 0
-        for item in scheduled:
+        for item, item_logits in zip(scheduled, logits):
             rows = hidden[row : row + item.num_new_tokens]
             row += item.num_new_tokens
             handler = self._after_prefill if item.kind is ChunkKind.PREFILL else self._after_decode
-            tokens, draft_input = handler(item, rows)
+            tokens, draft_input = handler(item, rows, item_logits)
             new_tokens[item.req.request_id] = tokens
             if draft_input is not None:
                 draft_inputs.append(draft_input)
@@ -195,10 +196,35 @@ class LLMEngine:
         self.num_computed_prompt_tokens += num_prompt
         return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
 
+    def _step_logits(self, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> list[torch.Tensor | None]:
+        """Logits for every row that samples this step, in one `compute_logits` call (one vocab GEMM
+        per step instead of one per request): a prefill chunk's last row when it ends the prefill, every
+        row of a decode or verify chunk. One entry per scheduled chunk, None where nothing samples."""
+        picks: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        row = 0
+        for item in scheduled:
+            req, m = item.req, item.num_new_tokens
+            if item.kind is not ChunkKind.PREFILL:
+                spans.append((len(picks), len(picks) + m))
+                picks.extend(range(row, row + m))
+            elif req.num_computed_tokens + m == req.num_prefill_tokens:
+                spans.append((len(picks), len(picks) + 1))
+                picks.append(row + m - 1)
+            else:
+                spans.append(None)
+            row += m
+        if not picks:
+            return [None] * len(scheduled)
+        index = torch.tensor(picks, dtype=torch.long, device=hidden.device)
+        stacked = self.model.compute_logits(hidden.index_select(0, index))  # [len(picks), vocab]
+        return [None if span is None else stacked[span[0] : span[1]] for span in spans]
+
     def _wants_drafts(self, req: Request) -> bool:
         return self.speculative and req.params.greedy and not req.params.shapes_logits
 
-    def _after_prefill(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
+    def _after_prefill(self, item: ScheduledChunk, rows: torch.Tensor,
+                       logits: torch.Tensor | None) -> tuple[list[int], DraftInput | None]:
         req, m = item.req, item.num_new_tokens
         start = req.num_computed_tokens
         self.cache.record_hidden(req, start, rows)
@@ -207,7 +233,7 @@ class LLMEngine:
             self.cache.snapshot(req, self.cache.state_page(req), end)
         tokens: list[int] = []
         if end == req.num_prefill_tokens:  # the prompt, or every known token after a preemption
-            logits = self.model.compute_logits(rows[-1:])  # [1, vocab]
+            assert logits is not None  # [1, vocab]: _step_logits picked this chunk's last row
             token = req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)
             if req.first_token_s is None:
                 req.first_token_s = time.perf_counter()
@@ -228,10 +254,11 @@ class LLMEngine:
         propose = end == req.num_prefill_tokens
         return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
 
-    def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor) -> tuple[list[int], DraftInput | None]:
+    def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor,
+                      logits: torch.Tensor | None) -> tuple[list[int], DraftInput | None]:
         req, n = item.req, item.req.num_computed_tokens
         drafts = req.draft_token_ids
-        logits = self.model.compute_logits(rows)  # [1 + d, vocab]
+        assert logits is not None  # [1 + d, vocab]: every row of a decode / verify chunk
         if drafts:
             target = torch.argmax(logits, dim=-1).tolist()
             accepted = 0
