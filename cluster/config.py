@@ -103,8 +103,11 @@ class RouterSection:
     prefill_cost_per_token: float = 1.0
     load_cost_per_queued_token: float = 1.0
     transfer_cost_per_token: float = 0.05
+    junction_credit: float = 0.5  # share of the attention match past the hit counted as saved (sticky sessions)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.junction_credit < 1.0:
+            raise ConfigError(f"router.junction_credit must be in [0, 1), got {self.junction_credit}")
         if self.policy not in ("hybrid", "attention_overlap", "round_robin", "random"):
             choices = "hybrid, attention_overlap, round_robin or random"
             raise ConfigError(f"router.policy must be {choices}, got {self.policy!r}")

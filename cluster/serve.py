@@ -111,7 +111,8 @@ def build_backend(config: ServeConfig, model_dir: str):
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
         router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
                             load_cost_per_queued_token=r.load_cost_per_queued_token,
-                            transfer_cost_per_token=r.transfer_cost_per_token),
+                            transfer_cost_per_token=r.transfer_cost_per_token,
+                            junction_credit=r.junction_credit),
         max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name,
         autoscaler=AutoscalerConfig(c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s,
                                     c.autoscale_interval_s, c.warm_prefixes)))

@@ -21,6 +21,7 @@ def test_shipped_configs_load():
         ("engine:\n  eagle_mode: sometimes\n", "eagle_mode must be"),
         ("engine:\n  num_spec_tokens: true\n", "expected int"),
         ("router:\n  policy: smart\n", "router.policy must be"),
+        ("router:\n  junction_credit: 1.0\n", "router.junction_credit must be in"),
         ("cluster: [1, 2]\n", "cluster: expected a mapping"),
         ("engine: {max_model_len: 8\n", "invalid YAML"),
         ("bogus: 1\n", "bogus: unknown key"),
