@@ -1,0 +1,98 @@
+"""The router's transfer plan, decided exactly: which holder, which destination, where the cost
+comparison tips, and the estimates in the decision. Numbers by hand: layout full:16 + mamba:64
+(alignment 64), a 1000-token prompt, default costs (prefill 1 and load 1 per token, transfer
+0.05 per token, transfers from 256 tokens). Holding H tokens = full blocks [0, H) and a Mamba
+snapshot at H, so the hit there is H and its cost 1000 - H + load. Written to kill mutants
+`make mutants` found surviving."""
+
+from __future__ import annotations
+
+from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
+from cache_service.global_index import GlobalIndex
+from cache_service.messages import BlockRecord, RecordKind, ReplicaEstimate, RouteDecision, TransferPlan
+from cache_service.router import Router, RouterConfig, RoutingPolicy
+from cache_service.simulate import make_tokens
+from tests.cache_service.helpers import make_layout
+
+N = 1000
+HASHES = RequestBlockHashes(16, make_tokens(N, 4, 50)).hashes
+
+
+def make_router(holdings: dict[str, int], config: RouterConfig | None = None) -> Router:
+    """`holdings`: replica -> tokens it holds (0: an empty replica)."""
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.LOSSLESS)
+    index = GlobalIndex(2)
+    for replica, held in holdings.items():
+        index.add_replica(replica)
+        records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:held // 16]]
+        if held:
+            records.append(BlockRecord(RecordKind.STORED, HASHES[held // 16 - 1], 0b10))
+        assert not index.apply_batch(replica, 0, len(records), records).needs_resync
+    return Router(index, coord, RoutingPolicy.HYBRID, config)
+
+
+def est(replica: str, hit: int, cost: float) -> ReplicaEstimate:
+    return ReplicaEstimate(replica, hit, cost, hit)  # attention tokens = the held blocks = the hit here
+
+
+def test_a_busy_holder_moves_its_pages_to_the_least_loaded_empty_replica():
+    # a: 960 at load 5000 (cost 5040); c: 320 at load 0 (cost 680, the best); b: empty, load 0
+    # (cost 1000). Transfer a -> the least loaded of {c, b}: both 0, "b" first by name; its cost
+    # 1000 - 960 + 0 + 960 * 0.05 = 88 < 680. b holds nothing, so it is added to the estimates.
+    router = make_router({"a": 960, "c": 320, "b": 0})
+    decision = router.route(HASHES, N, {"a": 5000, "c": 0}, candidates={"a", "b", "c"})  # b: no load: 0
+    assert decision == RouteDecision(
+        "b", "hybrid", 960, (est("a", 960, 5040), est("c", 320, 680), ReplicaEstimate("b", 0, 1000)),
+        TransferPlan("a", "b", 960))
+
+
+def test_the_destination_is_the_least_loaded_not_the_first_by_name():
+    # as above, but b carries 10 queued tokens: c (load 0) receives; c is already an estimate
+    router = make_router({"a": 960, "c": 320, "b": 0})
+    decision = router.route(HASHES, N, {"a": 5000, "c": 0, "b": 10})
+    assert decision == RouteDecision("c", "hybrid", 960, (est("a", 960, 5040), est("c", 320, 680)),
+                                     TransferPlan("a", "c", 960))
+
+
+def test_an_added_destination_is_costed_with_its_own_load():
+    # c: 320 at load 20 (cost 700, the best); b: empty at load 10 (cost 1010) receives (10 < 20):
+    # 40 + 10 + 48 = 98 < 700
+    router = make_router({"a": 960, "c": 320, "b": 0})
+    decision = router.route(HASHES, N, {"a": 5000, "c": 20, "b": 10})
+    assert decision == RouteDecision(
+        "b", "hybrid", 960, (est("a", 960, 5040), est("c", 320, 700), ReplicaEstimate("b", 0, 1010)),
+        TransferPlan("a", "b", 960))
+
+
+def test_without_an_empty_replica_a_weaker_holder_receives():
+    router = make_router({"a": 960, "c": 320})
+    decision = router.route(HASHES, N, {"a": 5000, "c": 0})
+    assert decision.transfer == TransferPlan("a", "c", 960) and decision.replica_id == "c"
+
+
+def test_the_cheaper_of_two_equal_holders_is_the_source():
+    # a and d both hold 960; d is less loaded (cost 3040 < 5040), so d is the source
+    router = make_router({"a": 960, "d": 960, "b": 0})
+    decision = router.route(HASHES, N, {"a": 5000, "d": 3000, "b": 0})
+    assert decision.transfer == TransferPlan("d", "b", 960)
+    assert decision.estimates == (est("a", 960, 5040), ReplicaEstimate("b", 0, 1000), est("d", 960, 3040))
+
+
+def test_a_transfer_is_planned_only_when_strictly_cheaper():
+    # a: 960 at load La (cost 40 + La); b: empty at load 10 (cost 1010). Transfer cost with 0.5
+    # per token: 40 + 10 + 960 * 0.5 = 530. At La = 490 a costs 530 too: no transfer.
+    config = RouterConfig(transfer_cost_per_token=0.5)
+    router = make_router({"a": 960, "b": 0}, config)
+    tie = router.route(HASHES, N, {"a": 490, "b": 10})
+    assert (tie.replica_id, tie.transfer) == ("a", None)
+    router = make_router({"a": 960, "b": 0}, config)
+    cheaper = router.route(HASHES, N, {"a": 481}, candidates={"a", "b"})  # b's load missing: 0, 520 < 521
+    assert (cheaper.replica_id, cheaper.transfer) == ("b", TransferPlan("a", "b", 960))
+
+
+def test_the_minimum_transfer_size_is_inclusive():
+    router = make_router({"a": 960, "b": 0}, RouterConfig(min_transfer_tokens=960))
+    assert router.route(HASHES, N, {"a": 5000, "b": 0}).transfer == TransferPlan("a", "b", 960)
+    router = make_router({"a": 960, "b": 0}, RouterConfig(min_transfer_tokens=961))
+    decision = router.route(HASHES, N, {"a": 5000, "b": 0})
+    assert (decision.replica_id, decision.transfer, decision.expected_hit_tokens) == ("b", None, 0)
