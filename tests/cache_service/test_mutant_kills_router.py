@@ -7,10 +7,12 @@ snapshot at H, so the hit there is H and its cost 1000 - H + load. Written to ki
 
 from __future__ import annotations
 
+import pytest
+
 from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
 from cache_service.global_index import GlobalIndex
 from cache_service.messages import BlockRecord, RecordKind, ReplicaEstimate, RouteDecision, TransferPlan
-from cache_service.router import Router, RouterConfig, RoutingPolicy
+from cache_service.router import NoReplicaError, Router, RouterConfig, RoutingPolicy
 from cache_service.simulate import make_tokens
 from tests.cache_service.helpers import make_layout
 
@@ -96,3 +98,59 @@ def test_the_minimum_transfer_size_is_inclusive():
     router = make_router({"a": 960, "b": 0}, RouterConfig(min_transfer_tokens=961))
     decision = router.route(HASHES, N, {"a": 5000, "b": 0})
     assert (decision.replica_id, decision.transfer, decision.expected_hit_tokens) == ("b", None, 0)
+
+
+# ---- route(): candidates, policies, estimates ----------------------------------------------------------
+def test_candidates_default_to_the_load_keys_else_every_indexed_replica():
+    router = make_router({"a": 0, "b": 0})
+    router.policy = RoutingPolicy.ROUND_ROBIN
+    assert [router.route(HASHES, N).replica_id for _ in range(3)] == ["a", "b", "a"]  # the index's
+    assert router.route(HASHES, N, {"b": 0}) == RouteDecision("b", "round_robin", 0, ())  # the load's
+    with pytest.raises(NoReplicaError, match="^no routable replica$"):
+        router.route(HASHES, N, {})
+    router.policy = RoutingPolicy.RANDOM
+    assert router.route(HASHES, N, {"b": 0}) == RouteDecision("b", "random", 0, ())
+
+
+def test_a_hybrid_decision_lists_the_chosen_replica_and_every_holder_exactly():
+    # a: 640 with a snapshot (cost 360 + 10); b: attention blocks only (hit 0, attention 320):
+    # listed for its attention; c: nothing, load missing (0): cost 1000, not listed. Moving a's
+    # pages to c would cost 360 + 0 + 640 * 0.05 = 392 > 370: no transfer
+    router = make_router({"a": 640, "c": 0})
+    index = router.index
+    index.add_replica("b")
+    records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:20]]
+    index.apply_batch("b", 0, len(records), records)
+    decision = router.route(HASHES, N, {"a": 10, "b": 7}, candidates={"a", "b", "c"})
+    assert decision == RouteDecision("a", "hybrid", 640, (est("a", 640, 370), ReplicaEstimate("b", 0, 1007, 320)))
+    assert decision.hit_on("a") == 640 and decision.hit_on("b") == 0 and decision.hit_on("c") == 0
+    overlap = Router(index, router.coordinator, RoutingPolicy.ATTENTION_OVERLAP)
+    assert overlap.route(HASHES, N, {"a": 100, "b": 7}).policy == "attention_overlap"
+
+
+def test_holders_are_listed_by_hit_then_attention_then_name_up_to_eight():
+    holdings = {f"r{i}": 64 * (i % 4 + 1) for i in range(10)}  # hits 64..256, 10 holders
+    router = make_router(holdings)
+    decision = router.route(HASHES, N, dict.fromkeys(holdings, 0))
+    listed = [(e.replica_id, e.hit_tokens) for e in decision.estimates]
+    best = sorted(holdings, key=lambda r: (-holdings[r], r))[:8]
+    assert sorted(listed) == sorted((r, holdings[r]) for r in best)  # the 8 best, the chosen among them
+    assert decision.replica_id in ("r3", "r7") and decision.expected_hit_tokens == 256
+
+
+def test_a_forced_replica_is_chosen_if_it_is_a_candidate_and_then_nothing_moves():
+    router = make_router({"a": 960, "b": 0})
+    forced = router.route(HASHES, N, {"a": 5000, "b": 0}, forced="a")  # the busy holder, no transfer
+    assert (forced.replica_id, forced.expected_hit_tokens, forced.transfer) == ("a", 960, None)
+    ignored = router.route(HASHES, N, {"a": 5000, "b": 0}, candidates={"a", "b"}, forced="z")
+    assert ignored.replica_id == "b" and ignored.transfer == TransferPlan("a", "b", 960)
+    cold = make_router({"a": 0, "b": 0}).route(HASHES, N, {"a": 0, "b": 9}, forced="b")
+    assert (cold.replica_id, cold.transfer) == ("b", None)
+
+
+def test_equal_holders_are_chosen_at_random_and_a_lighter_one_wins():
+    router = make_router({"a": 640, "b": 640}, None)
+    picks = [router.route(HASHES, N, {"a": 0, "b": 0}).replica_id for _ in range(20)]
+    assert set(picks) == {"a", "b"}
+    assert {router.route(HASHES, N, {"a": 1, "b": 0}).replica_id for _ in range(5)} == {"b"}
+    assert {router.route(HASHES, N, {"a": 0}, candidates={"a", "b"}).replica_id for _ in range(20)} == {"a", "b"}
