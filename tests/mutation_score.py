@@ -1,6 +1,8 @@
 """`make mutants`' report: the mutation score per area from mutmut's results under `mutants/`.
 
     python -m tests.mutation_score            # after `mutmut run`
+    python -m tests.mutation_score --configure COPY/pyproject.toml --paths P... --tests T...
+                                              # point a copy's [tool.mutmut] elsewhere (make mutants-engine)
 
 Killed = a fast test failed (or timed out) with the mutant in place. Every mutant that was not
 killed (survived, or no test reached it) must be listed in tests/MUTANTS.md as equivalent, with
@@ -39,11 +41,27 @@ def load_results() -> dict[str, tuple[str, int | None]]:
 
 def listed_equivalent() -> dict[str, str]:
     """`tests/MUTANTS.md` rows: | `mutant name` | reason |."""
-    rows = re.findall(r"^\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$", LEDGER.read_text(), flags=re.M) if LEDGER.exists() else []
-    return dict(rows)
+    if not LEDGER.exists():
+        return {}
+    return dict(re.findall(r"^\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$", LEDGER.read_text(), flags=re.M))
+
+
+def configure(pyproject: Path, paths: list[str], tests: list[str]) -> None:
+    """Rewrite [tool.mutmut]'s source paths and test selection in a copy of the tree."""
+    text = pyproject.read_text()
+    for key, values in (("source_paths", paths), ("pytest_add_cli_args_test_selection", tests),
+                        ("do_not_mutate", [])):
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {json.dumps(values)}", text, flags=re.M)
+        assert n == 1, f"{pyproject}: no `{key} = ...` line in [tool.mutmut]"
+    pyproject.write_text(text)
 
 
 def main() -> int:
+    if "--configure" in sys.argv:
+        args = sys.argv[sys.argv.index("--configure") + 1:]
+        paths = args[args.index("--paths") + 1: args.index("--tests")]
+        configure(Path(args[0]), paths, args[args.index("--tests") + 1:])
+        return 0
     results = load_results()
     if not results:
         print("no mutmut results under mutants/: run `make mutants`", file=sys.stderr)
