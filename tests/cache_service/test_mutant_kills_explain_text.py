@@ -43,6 +43,12 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
         "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
         "reconciliation: candidates 960 -> 256; hit 256",
     ]),
+    (FULL_MAMBA, 64, {}, None, [  # a snapshot at 64 (the final boundary) lies past the cap of 63: not listed
+        "group 0 (full:16): 0 -- 4 contiguous blocks cached (64 tokens), stopped by the prompt's last full "
+        "block; capped at 63 (num_prompt_tokens - 1) and aligned to 0",
+        f"group 1 (mamba:64): 0 -- {COLD_MAMBA}",
+        "reconciliation: candidates 0; hit 0",
+    ]),
     (FULL_MAMBA, 1000, {}, None, [  # 15 snapshots (64..960): the last six shown
         "group 0 (full:16): 960 -- 62 contiguous blocks cached (992 tokens), stopped by the prompt's last full "
         "block; capped at 992 (num_prompt_tokens - 1) and aligned to 960",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service import RequestBlockHashes
@@ -37,6 +37,7 @@ def expected_holders(model: dict[str, list[set]], bits: dict[str, int]) -> list[
     return out
 
 
+@settings(max_examples=50)  # ~1 s: it runs for every mutant of the index and the events
 @given(st.lists(OP, max_size=40))
 def test_the_index_equals_a_set_model_under_any_event_history(ops):
     index = GlobalIndex(NUM_GROUPS)

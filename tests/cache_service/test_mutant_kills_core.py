@@ -1,0 +1,72 @@
+"""Small cache-core facts no other test pinned down: the scorer at the last candidate length and
+with no attention group, a transfer's extent per group, pool events carrying their group, and a
+block's repr. Written to kill mutants `make mutants` found surviving."""
+
+from __future__ import annotations
+
+from cache_service import EagleMode, EventSink, HybridCoordinator, RequestBlockHashes
+from cache_service.block_pool import BlockPool
+from cache_service.events import AllBlocksCleared, BlockRemoved
+from cache_service.global_index import GlobalIndex
+from cache_service.hit_finders import DropRule
+from cache_service.messages import BlockRecord, RecordKind
+from cache_service.router import Router, RoutingPolicy
+from cache_service.simulate import make_tokens
+from tests.cache_service.helpers import make_layout
+
+
+def route_held(groups, masks, prompt_len, held):
+    """Route a `prompt_len`-token prompt to the one replica holding its first `held` tokens in
+    every group (records with `masks` per block)."""
+    coord = HybridCoordinator(make_layout(*groups), EagleMode.OFF)
+    index = GlobalIndex(len(groups))
+    index.add_replica("a")
+    hashes = RequestBlockHashes(16, make_tokens(prompt_len, 1, 50)).hashes
+    records = [BlockRecord(RecordKind.STORED, k, masks) for k in hashes[: held // 16]]
+    index.apply_batch("a", 0, len(records), records)
+    return Router(index, coord, RoutingPolicy.HYBRID).route(hashes, prompt_len, {"a": 0})
+
+
+def test_the_scorer_reaches_the_last_candidate_length_n_minus_1():
+    # 65 tokens, alignment 16: the cap is 64 = 65 - 1, so a hit of 64 counts
+    assert route_held(["full:16"], 0b1, 65, 64).expected_hit_tokens == 64
+    assert route_held(["full:16"], 0b1, 64, 64).expected_hit_tokens == 48  # capped at 63
+
+
+def test_a_layout_without_attention_groups_scores_mamba_hits_only():
+    decision = route_held(["mamba:16"], 0b1, 100, 64)  # snapshots at 16, 32, 48, 64
+    assert decision.expected_hit_tokens == 64
+    assert [(e.replica_id, e.hit_tokens, e.attention_tokens) for e in decision.estimates] == [("a", 64, 0)]
+
+
+def test_a_transfer_moves_what_each_group_needs_to_serve_the_hit():
+    layout = make_layout("full:32", "mamba:64", "draft:16")
+    look = HybridCoordinator(layout, EagleMode.DROP, drop_rule=DropRule.LOOKAHEAD)
+    assert look.dropping_groups == frozenset({2})  # the draft group drops
+    assert [look.serving_extent(g, 128) for g in range(3)] == [128, 128, 128 + 16]
+    assert [look.serving_extent(g, 0) for g in range(3)] == [0, 0, 0]
+    align = HybridCoordinator(layout, EagleMode.DROP, drop_rule=DropRule.ALIGNMENT)
+    assert [align.serving_extent(g, 128) for g in range(3)] == [128, 128, 128 + 64]
+    assert [HybridCoordinator(layout, EagleMode.OFF).serving_extent(g, 128) for g in range(3)] == [128] * 3
+
+
+def test_pool_events_carry_the_pools_group():
+    sink = EventSink("r")
+    pool = BlockPool(4, group_id=2, events=sink)
+    (block,) = pool.allocate(1)
+    key = RequestBlockHashes(16, make_tokens(16, 0, 50)).hashes[0]
+    pool.cache_block(block, key)
+    pool.free([block])
+    assert pool.evict(key)
+    assert pool.reset_prefix_cache()
+    events = sink.drain()[-2:]
+    assert events == [BlockRemoved(events[0].seq, 2, (key,)), AllBlocksCleared(events[1].seq, 2)]
+
+
+def test_a_block_shows_its_id_references_and_hash_prefix():
+    pool = BlockPool(3)
+    key = RequestBlockHashes(16, make_tokens(16, 0, 50)).hashes[0]
+    (block,) = pool.allocate(1)
+    assert repr(block) == f"CacheBlock(id={block.block_id}, ref=1, hash=-)"
+    pool.cache_block(block, key)
+    assert repr(block) == f"CacheBlock(id={block.block_id}, ref=1, hash={key.hex()[:8]})"
