@@ -63,6 +63,18 @@ def test_pool_events_carry_the_pools_group():
     assert events == [BlockRemoved(events[0].seq, 2, (key,)), AllBlocksCleared(events[1].seq, 2)]
 
 
+def test_touch_counts_every_reuse_and_skips_only_the_null_block():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.free([a, b])
+    assert pool.num_free_blocks == 3
+    pool.touch([pool.null_block, a, b])  # the null block first: the others still taken
+    pool.touch([a])
+    assert (a.ref_cnt, b.ref_cnt, pool.null_block.ref_cnt, pool.num_free_blocks) == (2, 1, 1, 1)
+    pool.free([a])
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 1
+
+
 def test_a_block_shows_its_id_references_and_hash_prefix():
     pool = BlockPool(3)
     key = RequestBlockHashes(16, make_tokens(16, 0, 50)).hashes[0]

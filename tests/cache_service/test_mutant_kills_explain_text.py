@@ -95,6 +95,15 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
         "288] (9 in all)",
         "reconciliation: candidates 992 -> 256; hit 256",
     ]),
+    (DROP32, 300, {"eagle": EagleMode.DROP, "resend_len": 330}, None, [  # [288, 320) ends at the hashed end
+        "group 0 (full:32): 256 -- 9 contiguous blocks cached (288 tokens), stopped by block 9 (tokens 288..320) "
+        "not cached; capped at 320 (num_prompt_tokens - 1) and aligned to 288; EAGLE drop (lookahead) needs "
+        "block [L, L+32) cached: at 288 the lookahead block [288, 320) is not cached; at 256 lookahead block "
+        "[256, 288) cached -> 256",
+        "group 1 (mamba:32): 288 -- state snapshot at 288; snapshots held at <= cap: [128, 160, 192, 224, 256, "
+        "288] (9 in all)",
+        "reconciliation: candidates 320 -> 256; hit 256",
+    ]),
     (["full:32", "mamba:64"], 300, {"eagle": EagleMode.DROP, "drop_rule": DropRule.ALIGNMENT}, [
         "group 0 (full:32): 0 -- 0 contiguous blocks cached (0 tokens), stopped by block 0 (tokens 0..32) not "
         "cached; capped at 288 (num_prompt_tokens - 1) and aligned to 0; EAGLE drop (alignment rule) removes "
