@@ -43,6 +43,12 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
         "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
         "reconciliation: candidates 960 -> 256; hit 256",
     ]),
+    (FULL_MAMBA, 300, {"resend_len": 304}, None, [  # block 18 ends exactly at the hashed end: inside
+        "group 0 (full:16): 256 -- 18 contiguous blocks cached (288 tokens), stopped by block 18 (tokens "
+        "288..304) not cached; capped at 303 (num_prompt_tokens - 1) and aligned to 256",
+        "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
+        "reconciliation: candidates 256; hit 256",
+    ]),
     (FULL_MAMBA, 64, {}, None, [  # a snapshot at 64 (the final boundary) lies past the cap of 63: not listed
         "group 0 (full:16): 0 -- 4 contiguous blocks cached (64 tokens), stopped by the prompt's last full "
         "block; capped at 63 (num_prompt_tokens - 1) and aligned to 0",

@@ -138,3 +138,16 @@ def test_packing_merges_groups_per_block_and_clears_across_groups():
     sink.removed(1, ())
     sink.stored(1, ())
     assert sink.take_batch() == (0, 1, (BlockRecord(C, None, 0b100),))
+
+
+def test_a_chunked_resync_of_one_replica_keeps_the_others_bits():
+    index = GlobalIndex(2)
+    for r in ("a", "b"):
+        index.add_replica(r)
+    index.apply_batch("a", 0, 1, (BlockRecord(RecordKind.STORED, KEYS[0], 0b01),))
+    index.begin_resync("b", "x")
+    assert index.resync_chunk("b", "x", 0, [KEYS[0], KEYS[1]])
+    assert index.resync_chunk("b", "x", 0, [KEYS[1], KEYS[2]])  # KEYS[1] again: counted once
+    assert index.end_resync("b", "x", 7)
+    assert index.holders[0] == {KEYS[0]: 0b11, KEYS[1]: 0b10, KEYS[2]: 0b10}
+    assert index.replicas["b"].num_entries == [3, 0] and index.replicas["b"].next_seq == 7
