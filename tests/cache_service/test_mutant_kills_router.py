@@ -154,3 +154,61 @@ def test_equal_holders_are_chosen_at_random_and_a_lighter_one_wins():
     assert set(picks) == {"a", "b"}
     assert {router.route(HASHES, N, {"a": 1, "b": 0}).replica_id for _ in range(5)} == {"b"}
     assert {router.route(HASHES, N, {"a": 0}, candidates={"a", "b"}).replica_id for _ in range(20)} == {"a", "b"}
+
+
+def attention_only(router: Router, replica: str, num_tokens: int) -> None:
+    """`replica` holds full blocks over the first `num_tokens` tokens, no Mamba snapshot."""
+    router.index.add_replica(replica)
+    records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:num_tokens // 16]]
+    router.index.apply_batch(replica, 0, len(records), records)
+
+
+def test_without_a_load_map_every_indexed_replica_counts_as_idle():
+    router = make_router({"a": 640, "b": 0})
+    decision = router.route(HASHES, N)
+    assert (decision.replica_id, decision.expected_hit_tokens) == ("a", 640)
+
+
+def test_random_is_not_round_robin():
+    router = make_router({"a": 0, "b": 0})
+    router.policy = RoutingPolicy.RANDOM
+    picks = [router.route(HASHES, N).replica_id for _ in range(20)]
+    assert set(picks) == {"a", "b"} and picks != ["a", "b"] * 10
+
+
+def test_an_attention_only_holder_pays_the_full_prefill():
+    # b holds attention blocks but no snapshot: hit 0, cost 1000 + 1; c, empty and idle: 1000
+    router = make_router({"c": 0})
+    attention_only(router, "b", 320)
+    assert {router.route(HASHES, N, {"b": 1, "c": 0}).replica_id for _ in range(10)} == {"c"}
+    # at equal cost the attention holder wins every time (it can snapshot the junction)
+    assert {router.route(HASHES, N, {"b": 0, "c": 0}).replica_id for _ in range(10)} == {"b"}
+
+
+def test_costs_scale_with_the_configured_prices():
+    config = RouterConfig(prefill_cost_per_token=2.0, load_cost_per_queued_token=0.5)
+    decision = make_router({"a": 640}, config).route(HASHES, N, {"a": 100})
+    assert decision.estimates == (ReplicaEstimate("a", 640, 360 * 2.0 + 100 * 0.5, 640),)
+
+
+def test_the_eight_listed_holders_are_the_best_hits_then_the_most_attention():
+    router = make_router({"z": 64})  # z: a real hit of 64
+    for i in range(8):  # r0..r7: attention blocks only, r7 the most
+        attention_only(router, f"r{i}", 64 * (i + 2))
+    decision = router.route(HASHES, N, dict.fromkeys(["z", *(f"r{i}" for i in range(8))], 10 ** 6))
+    listed = {e.replica_id for e in decision.estimates}
+    assert "z" in listed and "r0" not in listed and {f"r{i}" for i in range(1, 8)} <= listed
+
+
+def test_a_mamba_only_layout_breaks_cost_ties_by_load():
+    # mamba:16 only, 100 tokens: a holds a snapshot at 64 with 64 queued (cost 36 + 64 = 100);
+    # b is empty and idle (cost 100): equal costs, no attention anywhere, the lighter b wins
+    coord = HybridCoordinator(make_layout("mamba:16"), EagleMode.OFF)
+    index = GlobalIndex(1)
+    for r in ("a", "b"):
+        index.add_replica(r)
+    hashes = HASHES[:6]
+    index.apply_batch("a", 0, 1, (BlockRecord(RecordKind.STORED, hashes[3], 0b1),))
+    router = Router(index, coord, RoutingPolicy.HYBRID)
+    assert {router.route(hashes, 100, {"a": 64, "b": 0}).replica_id for _ in range(10)} == {"b"}
+    assert router.route(hashes, 100, {"a": 63, "b": 0}).replica_id == "a"

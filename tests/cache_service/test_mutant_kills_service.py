@@ -88,6 +88,16 @@ def test_the_expiry_check_runs_again_exactly_a_tenth_of_a_second_later():
     assert book.view() == {"r": 0}  # checked again: expired
 
 
+def test_the_first_view_checks_expiry_at_once():
+    clock = Clock()
+    clock.now = 0.5
+    book = LoadBook(pending_ttl_s=0.1, clock=clock)
+    clock.now = 0.0
+    book.add_pending("r", 5)
+    clock.now = 0.5
+    assert book.view() == {"r": 0}
+
+
 def test_unknown_and_forgotten_replicas_count_nothing():
     book = LoadBook(pending_ttl_s=1.0, clock=Clock())
     assert book.queued_tokens("x") == 0 and book.num_requests("x") == 0 and book.snapshot() == {}
@@ -195,3 +205,34 @@ def test_ping_stats_and_a_new_epoch_per_instance():
                                                                        "entries": [0, 0]}}
     assert {k: stats[k] for k in a.counters} == a.counters == {
         "decisions": 0, "load_only": 0, "batches": 0, "records": 0, "resyncs": 0}
+
+
+def test_the_router_config_and_seed_reach_the_router():
+    from cache_service.router import Router, RouterConfig
+
+    free_load = CacheService(GROUPS, "off", "fp", router_config=RouterConfig(load_cost_per_queued_token=0.0), seed=0)
+    for r in ("r0", "r1"):
+        free_load.add_replica(r)
+    keys = hashes(96)
+    free_load.ingest(EventBatchMsg("r0", 0, 6, stored(keys), LoadReportMsg(num_queued_tokens=10 ** 6)))
+    assert free_load.route(RouteRequestMsg(keys, 97, dry_run=True)).replica_id == "r0"  # load costs nothing
+    assert free_load.fingerprint == "fp"
+
+    def ties(service) -> list[str]:
+        return [service.route(RouteRequestMsg(hashes(32, 9), 32, dry_run=True)).replica_id for _ in range(30)]
+
+    reference = service_with("a", "b")
+    reference.router = Router(reference.index, reference.coordinator, "hybrid", seed=0)  # what seed=0 gives
+    expected = ties(reference)
+    assert ties(service_with("a", "b")) == expected  # service_with passes seed=0
+    fives = []
+    for _ in range(2):
+        s = CacheService(GROUPS, "off", "fp", seed=5)
+        for r in ("a", "b"):
+            s.add_replica(r)
+        fives.append(ties(s))
+    assert fives[0] == fives[1] != expected and set(fives[0]) == {"a", "b"}
+    unseeded = CacheService(GROUPS, "off", "fp")  # seeded from its epoch: still spreads ties
+    for r in ("a", "b"):
+        unseeded.add_replica(r)
+    assert set(ties(unseeded)) == {"a", "b"}
