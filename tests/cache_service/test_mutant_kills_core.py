@@ -11,8 +11,8 @@ from cache_service.global_index import GlobalIndex
 from cache_service.hit_finders import DropRule
 from cache_service.messages import BlockRecord, RecordKind
 from cache_service.router import Router, RoutingPolicy
-from cache_service.simulate import make_tokens
-from tests.cache_service.helpers import make_layout
+from cache_service.simulate import make_tokens, simulate
+from tests.cache_service.helpers import make_layout, make_scenario
 
 
 def route_held(groups, masks, prompt_len, held):
@@ -82,3 +82,14 @@ def test_a_block_shows_its_id_references_and_hash_prefix():
     assert repr(block) == f"CacheBlock(id={block.block_id}, ref=1, hash=-)"
     pool.cache_block(block, key)
     assert repr(block) == f"CacheBlock(id={block.block_id}, ref=1, hash={key.hex()[:8]})"
+
+
+def test_simulate_uses_the_scenarios_seed_salt_and_retention():
+    scenario = make_scenario(["full:16", "mamba:64"], 300, seed=3, cache_salt="tenant", retention="128")
+    result = simulate(scenario)
+    assert result.scenario is scenario and result.cold.explanation == [] == result.resend.explanation
+    salted = RequestBlockHashes(16, make_tokens(300, 3, 32000), cache_salt="tenant").hashes
+    unsalted = RequestBlockHashes(16, make_tokens(300, 3, 32000)).hashes
+    assert salted[0] in result.cache.pools[0].cached and unsalted[0] not in result.cache.pools[0].cached
+    assert result.resend.checkpoints == (128, 256)  # every 128 tokens, and R = 256
+    assert result.resend.hit.hit_tokens == 256

@@ -55,6 +55,20 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
         f"group 1 (mamba:64): 0 -- {COLD_MAMBA}",
         "reconciliation: candidates 0; hit 0",
     ]),
+    (FULL_MAMBA, 400, {}, None, [  # exactly six snapshots: all shown, no count
+        "group 0 (full:16): 384 -- 25 contiguous blocks cached (400 tokens), stopped by the prompt's last full "
+        "block; capped at 399 (num_prompt_tokens - 1) and aligned to 384",
+        "group 1 (mamba:64): 384 -- state snapshot at 384; snapshots held at <= cap: [64, 128, 192, 256, 320, "
+        "384]",
+        "reconciliation: candidates 384; hit 384",
+    ]),
+    (FULL_MAMBA, 460, {}, None, [  # seven: the last six and the count
+        "group 0 (full:16): 448 -- 28 contiguous blocks cached (448 tokens), stopped by the prompt's last full "
+        "block; capped at 448 (num_prompt_tokens - 1) and aligned to 448",
+        "group 1 (mamba:64): 448 -- state snapshot at 448; snapshots held at <= cap: [128, 192, 256, 320, 384, "
+        "448] (7 in all)",
+        "reconciliation: candidates 448; hit 448",
+    ]),
     (FULL_MAMBA, 1000, {}, None, [  # 15 snapshots (64..960): the last six shown
         "group 0 (full:16): 960 -- 62 contiguous blocks cached (992 tokens), stopped by the prompt's last full "
         "block; capped at 992 (num_prompt_tokens - 1) and aligned to 960",

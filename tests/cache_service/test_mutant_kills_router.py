@@ -212,3 +212,19 @@ def test_a_mamba_only_layout_breaks_cost_ties_by_load():
     router = Router(index, coord, RoutingPolicy.HYBRID)
     assert {router.route(hashes, 100, {"a": 64, "b": 0}).replica_id for _ in range(10)} == {"b"}
     assert router.route(hashes, 100, {"a": 63, "b": 0}).replica_id == "a"
+
+
+def test_the_default_seed_is_0_and_a_seed_fixes_the_tie_draws():
+    def draws(router: Router) -> list[str]:
+        return [router.route(HASHES, N, {"a": 0, "b": 0}).replica_id for _ in range(20)]
+
+    coord = make_router({}).coordinator
+    index = make_router({"a": 0, "b": 0}).index
+    assert draws(Router(index, coord, "hybrid")) == draws(Router(index, coord, "hybrid", seed=0))
+    assert draws(Router(index, coord, "hybrid", seed=0)) != draws(Router(index, coord, "hybrid", seed=1))
+
+
+def test_a_listed_holder_without_a_load_report_is_costed_at_zero_load():
+    router = make_router({"a": 640, "b": 320})
+    decision = router.route(HASHES, N, {"a": 0}, candidates={"a", "b"})
+    assert decision.estimates == (est("a", 640, 360), est("b", 320, 680))
