@@ -4,12 +4,15 @@ block's repr. Written to kill mutants `make mutants` found surviving."""
 
 from __future__ import annotations
 
+import pytest
+
 from cache_service import EagleMode, EventSink, HybridCoordinator, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.events import AllBlocksCleared, BlockRemoved
 from cache_service.global_index import GlobalIndex
 from cache_service.hit_finders import DropRule
 from cache_service.messages import BlockRecord, RecordKind
+from cache_service.retention import make_retention
 from cache_service.router import Router, RoutingPolicy
 from cache_service.simulate import make_tokens, simulate
 from tests.cache_service.helpers import make_layout, make_scenario
@@ -93,3 +96,34 @@ def test_simulate_uses_the_scenarios_seed_salt_and_retention():
     assert salted[0] in result.cache.pools[0].cached and unsalted[0] not in result.cache.pools[0].cached
     assert result.resend.checkpoints == (128, 256)  # every 128 tokens, and R = 256
     assert result.resend.hit.hit_tokens == 256
+
+
+def test_periodic_snapshot_positions_lie_in_0_to_n_inclusive():
+    for policy in (make_retention("dense", 64), make_retention("64", 64)):
+        assert list(policy.periodic_positions(127, 64)) == [64]
+        assert list(policy.periodic_positions(128, 64)) == [64, 128]
+    assert list(make_retention("128", 64).periodic_positions(383, 64)) == [128, 256]
+
+
+def test_check_integrity_names_each_broken_invariant():
+    for corrupt in (lambda p: setattr(p.null_block, "ref_cnt", 0),
+                    lambda p: p._free.__setitem__(0, p.null_block)):
+        pool = BlockPool(3)
+        corrupt(pool)
+        with pytest.raises(AssertionError, match="^null block$"):
+            pool.check_integrity()
+    pool = BlockPool(3)
+    pool._free[1] = pool.blocks[2]
+    with pytest.raises(AssertionError, match="^free queue holds foreign blocks$"):
+        pool.check_integrity()
+
+
+def test_purging_one_replica_clears_only_its_bits_and_counts_only_its_entries():
+    index = GlobalIndex(2)
+    keys = RequestBlockHashes(16, make_tokens(64, 5, 50)).hashes
+    for r, held in (("a", keys[:3]), ("b", keys[1:2])):
+        index.add_replica(r)
+        index.apply_batch(r, 0, len(held), tuple(BlockRecord(RecordKind.STORED, k, 0b11) for k in held))
+    assert index.purge("b") == 2  # one key in each of two groups
+    assert index.holders == [dict.fromkeys(keys[:3], 0b01)] * 2
+    assert index.mask_of(["a", "b"]) == 0b01 and index.mask_of(index.replicas.keys()) == 0b01
