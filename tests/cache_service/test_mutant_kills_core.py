@@ -12,7 +12,7 @@ from cache_service.events import AllBlocksCleared, BlockRemoved
 from cache_service.global_index import GlobalIndex
 from cache_service.hit_finders import DropRule
 from cache_service.messages import BlockRecord, RecordKind
-from cache_service.retention import make_retention
+from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import Router, RoutingPolicy
 from cache_service.simulate import make_tokens, simulate
 from tests.cache_service.helpers import make_layout, make_scenario
@@ -127,3 +127,25 @@ def test_purging_one_replica_clears_only_its_bits_and_counts_only_its_entries():
     assert index.purge("b") == 2  # one key in each of two groups
     assert index.holders == [dict.fromkeys(keys[:3], 0b01)] * 2
     assert index.mask_of(["a", "b"]) == 0b01 and index.mask_of(index.replicas.keys()) == 0b01
+
+
+def test_boundaries_and_landings_with_an_alignment_of_one_token():
+    # block size 1: R = 3 - 1 = 2, the final boundary 3; the alignment drop lands one token below
+    # each, so 1 and 2 are reachable hits too; nothing at 0
+    coord = HybridCoordinator(make_layout("full:1", "mamba:1"), EagleMode.DROP, drop_rule=DropRule.ALIGNMENT)
+    planner = CheckpointPlanner(coord, make_retention("latest", 1))
+    marks = planner.boundaries(3, 3)
+    assert [m.position for m in marks] == [2, 3] and coord.reachable_hit_positions(marks) == (1, 2)
+    assert planner.checkpoints(3, 3) == (1, 2, 3)
+    assert [m.position for m in planner.boundaries(2, 2)] == [1, 2]
+
+
+def test_the_replay_boundary_and_a_prompt_shorter_than_the_alignment():
+    planner = CheckpointPlanner(HybridCoordinator(make_layout("full:16", "mamba:64")), make_retention("latest", 64))
+    assert (planner.replay_boundary(65), planner.replay_boundary(64)) == (64, 0)
+    assert planner.boundaries(10, 10) == [] and planner.checkpoints(10, 10) == ()
+
+
+def test_an_empty_index_trusts_nobody():
+    index = GlobalIndex(1)
+    assert index.routable_mask() == 0 and index.mask_of(["x"]) == 0 and index.mask_of(index.replicas.keys()) == 0
