@@ -66,3 +66,21 @@ def test_store_prefix_counts_what_did_not_fit():
     full = LocalPrefixCache(coord, [40, 3])
     full.pools[1].allocate(2)  # both pages held by running requests
     assert full.store_prefix(hashes, 300, (64, 128, 256)) == StoreResult((18, 0), (0, 3))
+
+
+def test_retained_block_ends_at_the_edges():
+    from cache_service.coordinator import Boundary
+    from cache_service.local_cache import retained_block_ends
+    from cache_service.specs import parse_group_spec
+
+    assert retained_block_ends(parse_group_spec("full:1"), 3, ()) == [1, 2, 3]
+    assert retained_block_ends(parse_group_spec("full:16"), 47, ()) == [16, 32]
+    # window 18 at 64: the tail [47, 64) starts in block 2 ([32, 48)): blocks ending at 48 and 64
+    assert retained_block_ends(parse_group_spec("sliding_window:16:18"), 64, (64,)) == [48, 64]
+    assert retained_block_ends(parse_group_spec("sliding_window:1:4"), 2, (2,)) == [1, 2]
+    # the lookahead block [64, 80) is kept when it ends exactly at the computed tokens
+    assert retained_block_ends(parse_group_spec("sliding_window:16:18"), 80, (64,), lookahead=True) == [48, 64, 80]
+    assert retained_block_ends(parse_group_spec("sliding_window:16:18"), 79, (64,), lookahead=True) == [48, 64]
+    # a landing stays at a boundary whose dropping group's block [128, 144) ends exactly at the extent
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64", "draft:16"), EagleMode.DROP)
+    assert coord.landing(Boundary(128, 144)) == 128 and coord.landing(Boundary(128, 143)) == 64
