@@ -24,8 +24,9 @@ def route_held(groups, masks, prompt_len, held):
     coord = HybridCoordinator(make_layout(*groups), EagleMode.OFF)
     index = GlobalIndex(len(groups))
     index.add_replica("a")
-    hashes = RequestBlockHashes(16, make_tokens(prompt_len, 1, 50)).hashes
-    records = [BlockRecord(RecordKind.STORED, k, masks) for k in hashes[: held // 16]]
+    size = coord.layout.hash_block_size
+    hashes = RequestBlockHashes(size, make_tokens(prompt_len, 1, 50)).hashes
+    records = [BlockRecord(RecordKind.STORED, k, masks) for k in hashes[: held // size]]
     index.apply_batch("a", 0, len(records), records)
     return Router(index, coord, RoutingPolicy.HYBRID).route(hashes, prompt_len, {"a": 0})
 
@@ -149,3 +150,18 @@ def test_the_replay_boundary_and_a_prompt_shorter_than_the_alignment():
 def test_an_empty_index_trusts_nobody():
     index = GlobalIndex(1)
     assert index.routable_mask() == 0 and index.mask_of(["x"]) == 0 and index.mask_of(index.replicas.keys()) == 0
+
+
+def test_retention_values_at_their_edges():
+    from cache_service.specs import SpecError
+
+    assert make_retention("0", 64).name == "latest" and make_retention(" Latest ", 64).name == "latest"
+    assert make_retention("1", 1).interval == 1
+    for bad in ("00", "-64", "96"):
+        with pytest.raises(SpecError, match="must be a positive multiple of the alignment 64"):
+            make_retention(bad, 64)
+
+
+def test_a_one_token_prompt_never_hits_even_at_alignment_one():
+    assert route_held(["full:1"], 0b1, 1, 1).expected_hit_tokens == 0  # capped at N - 1 = 0
+    assert route_held(["full:1"], 0b1, 3, 3).expected_hit_tokens == 2
