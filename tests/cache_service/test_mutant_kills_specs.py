@@ -81,3 +81,12 @@ def test_the_scorer_reads_a_drop_rule_given_as_text_or_missing():
     fields = {k: getattr(real[DropRule.LOOKAHEAD], k) for k in ("layout", "alignment", "dropping_groups")}
     assert score(SimpleNamespace(**fields, drop_rule="lookahead")) == score(real[DropRule.LOOKAHEAD]) == 96
     assert score(SimpleNamespace(**fields)) == score(real[DropRule.ALIGNMENT]) == 64
+
+
+def test_a_sliding_window_needs_a_window_above_one():
+    from cache_service.specs import SlidingWindowSpec
+
+    for window in (1, 0, "8"):
+        with pytest.raises(SpecError, match=rf"^sliding_window: window must be an integer > 1, got {window!r}$"):
+            SlidingWindowSpec(block_size=16, window=window)
+    assert SlidingWindowSpec(block_size=16, window=2).window == 2
