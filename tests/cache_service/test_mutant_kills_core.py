@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service import EagleMode, EventSink, HybridCoordinator, RequestBlockHashes
+from cache_service import EagleMode, EventSink, HybridCoordinator, LocalPrefixCache, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.events import AllBlocksCleared, BlockRemoved
 from cache_service.global_index import GlobalIndex
@@ -165,3 +165,14 @@ def test_retention_values_at_their_edges():
 def test_a_one_token_prompt_never_hits_even_at_alignment_one():
     assert route_held(["full:1"], 0b1, 1, 1).expected_hit_tokens == 0  # capped at N - 1 = 0
     assert route_held(["full:1"], 0b1, 3, 3).expected_hit_tokens == 2
+
+
+def test_routing_lookups_skip_the_per_group_answers():
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"))
+    cache = LocalPrefixCache(coord, [40, 8])
+    hashes = RequestBlockHashes(16, make_tokens(300, 1, 50))
+    cache.store_prefix(hashes, 300, (256,))
+    full = coord.find_longest_hit(hashes.hashes, 300, cache.lookup_view)
+    fast = coord.find_longest_hit(hashes.hashes, 300, cache.lookup_view, per_group=False)
+    assert full.hit_tokens == fast.hit_tokens == 256 and full.per_group_hits == (256, 256)
+    assert fast.per_group_hits == ()
