@@ -90,3 +90,11 @@ def test_a_sliding_window_needs_a_window_above_one():
         with pytest.raises(SpecError, match=rf"^sliding_window: window must be an integer > 1, got {window!r}$"):
             SlidingWindowSpec(block_size=16, window=window)
     assert SlidingWindowSpec(block_size=16, window=2).window == 2
+
+
+@settings(max_examples=80)
+@given(layout=st.sampled_from([("full:1", "mamba:1"), ("sliding_window:1:3", "mamba:1")]),
+       mode=st.sampled_from(MODES), prompt_len=st.integers(1, 6), data=st.data())
+def test_the_scorer_equals_the_coordinator_on_tiny_prompts_at_alignment_one(layout, mode, prompt_len, data):
+    test_the_scorer_equals_the_coordinator_on_small_and_odd_layouts.hypothesis.inner_test(
+        layout=layout, mode=mode, prompt_len=prompt_len, data=data)
