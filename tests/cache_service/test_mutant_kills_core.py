@@ -176,3 +176,13 @@ def test_routing_lookups_skip_the_per_group_answers():
     fast = coord.find_longest_hit(hashes.hashes, 300, cache.lookup_view, per_group=False)
     assert full.hit_tokens == fast.hit_tokens == 256 and full.per_group_hits == (256, 256)
     assert fast.per_group_hits == ()
+
+
+def test_the_alignment_drop_can_land_on_one_token():
+    # alignment 1, 3-token prompt (cap 2): full blocks end at 1 and 2, a snapshot at 1. The
+    # alignment rule serves L iff the full group serves L + 1: L = 1 (full serves 2), so the hit is 1
+    from tests.cache_service.helpers import make_set_lookup
+
+    coord = HybridCoordinator(make_layout("full:1", "mamba:1"), EagleMode.DROP, drop_rule=DropRule.ALIGNMENT)
+    hashes = RequestBlockHashes(1, make_tokens(3, 0, 50))
+    assert coord.find_longest_hit(hashes.hashes, 3, make_set_lookup(hashes, [{1, 2}, {1}])).hit_tokens == 1
