@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench mutants mutants-engine clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,5 +26,33 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.lookup
 
+# Mutation testing (not part of `make test`). `make mutants`: cache_service/ judged by the fast
+# tests/cache_service ([tool.mutmut] in pyproject.toml says what); `make mutants-engine`: the
+# engine's cache manager judged by the engine tests, in a copy of the tracked tree whose
+# [tool.mutmut] is rewritten from the two variables below. Each run starts fresh (today's score);
+# tests/mutation_score.py prints it and checks tests/MUTANTS.md accounts for every survivor.
+MUTMUT_JOBS ?= 2
+MUTANTS_ENGINE_PATHS ?= workers/engine/cache_manager.py
+MUTANTS_ENGINE_TESTS ?= tests/engine/test_prefix_cache_exact.py tests/engine/test_requests.py tests/engine/test_speculative.py
+MUTMUT := $(abspath $(VENV))/bin/mutmut
+
+mutants: $(STAMP)
+	$(PIP) install --quiet -c constraints/cpu.txt mutmut  # the dev extra; its version pinned in constraints
+	rm -rf mutants && mkdir mutants
+	OMP_NUM_THREADS=1 $(MUTMUT) run --max-children $(MUTMUT_JOBS) > mutants/run.log 2>&1 \
+		|| (tr '\r' '\n' < mutants/run.log | tail -30; false)
+	tr '\r' '\n' < mutants/run.log | grep -a "mutations/second" || true
+	$(PY) -m tests.mutation_score
+
+mutants-engine: $(STAMP)
+	$(PIP) install --quiet -c constraints/cpu.txt mutmut
+	rm -rf build/mutants-engine && mkdir -p build/mutants-engine
+	git ls-files -z | xargs -0 cp --parents -t build/mutants-engine
+	$(PY) -m tests.mutation_score --configure build/mutants-engine/pyproject.toml \
+		--paths $(MUTANTS_ENGINE_PATHS) --tests $(MUTANTS_ENGINE_TESTS)
+	cd build/mutants-engine && mkdir mutants && OMP_NUM_THREADS=1 $(MUTMUT) run --max-children $(MUTMUT_JOBS) \
+		> mutants/run.log 2>&1 || (tr '\r' '\n' < mutants/run.log | tail -30; false)
+	cd build/mutants-engine && $(abspath $(PY)) -m tests.mutation_score
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache mutants build/mutants-engine

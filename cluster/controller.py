@@ -4,7 +4,8 @@
       ReplicaSet      replica actors in placement groups; purge = stop; health checks
       CacheService    a named actor it starts (the index + routing; front doors call it directly)
       Transfers       page moves (whichever front door asks: one per pair at a time) and warming
-      autoscaler      `ReplicaAutoscaler` over the replicas' own load reports (all front doors' work)
+      autoscaler      `ReplicaAutoscaler` over the replicas' own load reports (all front doors' work);
+                      this actor is its `ScalableReplicas` (and it replaces dead replicas up to min)
 
 Front doors (`ClusterBackend`) find it by name: a restarted front door or driver reattaches to
 the running cluster instead of starting another. Replicas and the cache service are owned by the

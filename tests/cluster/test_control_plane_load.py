@@ -109,4 +109,4 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
         watcher.join()
         scaler.stop()
         backend.shutdown()
-    assert counts and max(counts) <= 2
+    assert counts and min(counts) >= 1 and max(counts) <= 2, counts  # within [min, max] at every sample
