@@ -43,6 +43,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.fault_probes import Probe, finish_probes, probe_reference, start_probes
+
 TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
 SCENARIOS = ("drop_events", "reorder_events", "corrupt_transfer", "evict_while_routed", "kill_cache_service",
              "kill_replica", "kill_tp_rank")
@@ -193,79 +195,6 @@ def _forced(env: Env, salt: str) -> list:
     return out
 
 
-PROBE_TOKENS = 160  # long enough that a probe is still streaming when its replica is killed
-
-
-@dataclass
-class Probe:
-    """A request forced onto a replica about to be killed, started before the kill."""
-
-    kind: str  # greedy | seeded | unseeded
-    stream: object  # RequestStream
-    expect: list[int] | None  # greedy: the cold output
-    first: object = None  # its first output (read before the kill)
-
-
-def _probe_params(kind: str):
-    from workers.engine.sampling import SamplingParams
-
-    sampled = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}, "unseeded": {"temperature": 1.0}}[kind]
-    return SamplingParams(max_tokens=PROBE_TOKENS, ignore_eos=True, **sampled)
-
-
-def _probe_reference(env: Env, salt: str) -> list[int]:
-    """The greedy probe's cold output (before the traffic: its own salt, so nothing hits)."""
-    return list(env.backend.generate(env.prompts[0], _probe_params("greedy"), cache_salt=f"{salt}probe-cold")[0]
-                .token_ids)
-
-
-def _start_probes(env: Env, victim: str, salt: str, expect: list[int]) -> list[Probe]:
-    """A greedy, a seeded and an unseeded sampled request on `victim`, each past its first token."""
-    probes = []
-    for kind in ("greedy", "seeded", "unseeded"):
-        stream = env.backend.submit(env.prompts[0], _probe_params(kind), cache_salt=f"{salt}probe-{kind}",
-                                    replica_id=victim)
-        probes.append(Probe(kind, stream, expect if kind == "greedy" else None))
-    for probe in probes:  # each has streamed (the first output carries a token) before the kill
-        probe.first = probe.stream.get(timeout=120)
-    return probes
-
-
-def _finish_probes(result: ScenarioResult, probes: list[Probe]) -> None:
-    """Score the probes: greedy and seeded must finish (greedy with its cold output); the unseeded
-    one is the documented case when it ends with the "cannot resume" retryable error."""
-    from workers.engine.errors import ServerOverloadedError
-    from workers.engine.request import RequestOutput
-
-    for probe in probes:
-        result.sent += 1
-        first = probe.first
-        try:
-            if not isinstance(first, RequestOutput):  # a StreamEnd before any token
-                raise first.error or RuntimeError("aborted before its first token")
-            tokens = list(first.new_token_ids)
-            if not first.finished:
-                tokens += [t for out in probe.stream for t in out.new_token_ids]
-        except ServerOverloadedError as exc:
-            if probe.kind == "unseeded" and "cannot resume" in str(exc):
-                result.retryable_errors += 1
-                result.documented_retryable += 1
-                result.details.setdefault("retryable_why", []).append(
-                    f"unseeded sampled request had streamed {len(first.token_ids)} token(s): {exc}")
-            else:
-                result.lost += 1
-                result.details.setdefault("errors", []).append(f"{probe.kind} probe: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - scored as lost
-            result.lost += 1
-            result.details.setdefault("errors", []).append(f"{probe.kind} probe: {type(exc).__name__}: {exc}")
-            continue
-        result.completed += 1
-        result.details.setdefault("probes_completed", []).append(probe.kind)
-        if probe.expect is not None:
-            result.differing += tokens != probe.expect
-
-
 def _actor(env: Env, replica_id: str):
     return env.backend.replicas.get(replica_id).actor
 
@@ -293,7 +222,7 @@ def run_scenario(env: Env, name: str) -> ScenarioResult:
         for p in env.prompts:
             _holder(env, p, prompt_salt)
     kills = name in ("kill_replica", "kill_tp_rank")
-    probe_expect = _probe_reference(env, salt) if kills else None
+    probe_expect = probe_reference(env, salt) if kills else None
     probes: list[Probe] = []
     traffic.start()
     deadline = time.monotonic() + 30
@@ -331,19 +260,19 @@ def run_scenario(env: Env, name: str) -> ScenarioResult:
         fired.append(time.time())
         kill_cache_service(backend)
     elif name == "kill_replica":
-        probes = _start_probes(env, victims[0], salt, probe_expect)
+        probes = start_probes(env, victims[0], salt, probe_expect)
         fired.append(time.time())
         kill_replica(backend, victims[0])
     elif name == "kill_tp_rank":
         workers = ray.get(_actor(env, victims[0]).tp_workers.remote())
-        probes = _start_probes(env, victims[0], salt, probe_expect)
+        probes = start_probes(env, victims[0], salt, probe_expect)
         fired.append(time.time())
         ray.kill(workers[0], no_restart=True)
     result.recovery_s = _recovery(env, name, victims, fired)
     traffic.join(timeout=300)
     vars(backend).pop("on_routed", None)  # back to the class's no-op seam
     _score(result, env, [(int(r.group[1:]), r.status, r.error, r.output_token_ids) for r in records] + extra)
-    _finish_probes(result, probes)
+    finish_probes(result, probes)
     after = backend.counters
     result.details.update({k: after[k] - before[k] for k in after if after[k] != before[k]})
     if name == "evict_while_routed":

@@ -29,7 +29,7 @@ from workers.engine.errors import EngineConfigError, InvalidRequestError, valida
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
-from workers.model.forward_batch import ForwardBatch, SeqChunk
+from workers.engine.step_inputs import build_batch, sampling_logits
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        hidden = self.model.forward(self._batch(scheduled), self.caches)  # [T, hidden]
-        logits = self._step_logits(scheduled, hidden)
+        batch = build_batch(scheduled, self.cache)
+        self.num_computed_prompt_tokens += batch.num_prompt_tokens
+        hidden = self.model.forward(batch, self.caches)  # [T, hidden]
+        logits = sampling_logits(self.model, scheduled, hidden)
         new_tokens: dict[str, list[int]] = {}
         draft_inputs: list[DraftInput] = []
         row = 0
@@ -176,50 +178,6 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _batch(self, scheduled: list[ScheduledChunk]) -> ForwardBatch:
-        ids: list[int] = []
-        chunks = []
-        num_prompt = 0
-        for item in scheduled:
-            req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
-            if item.kind is ChunkKind.PREFILL:  # past the prompt only when resuming after a preemption
-                known = req.prompt_token_ids if n + m <= req.num_prompt_tokens else req.all_token_ids
-                ids.extend(known[n : n + m])
-                # the work counted: what a hit must save (a recompute after a preemption counts again)
-                req.num_computed_prompt_tokens += m
-                num_prompt += m
-            else:
-                ids.append(req.output_token_ids[-1])
-                ids.extend(req.draft_token_ids)
-            per_token = self.cache.verify_pages(req, m) if item.kind is ChunkKind.VERIFY else None
-            chunks.append(SeqChunk(n, m, self.cache.block_table(req), self.cache.state_page(req), per_token))
-        self.num_computed_prompt_tokens += num_prompt
-        return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
-
-    def _step_logits(self, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> list[torch.Tensor | None]:
-        """Logits for every row that samples this step, in one `compute_logits` call (one vocab GEMM
-        per step instead of one per request): a prefill chunk's last row when it ends the prefill, every
-        row of a decode or verify chunk. One entry per scheduled chunk, None where nothing samples."""
-        picks: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        row = 0
-        for item in scheduled:
-            req, m = item.req, item.num_new_tokens
-            if item.kind is not ChunkKind.PREFILL:
-                spans.append((len(picks), len(picks) + m))
-                picks.extend(range(row, row + m))
-            elif req.num_computed_tokens + m == req.num_prefill_tokens:
-                spans.append((len(picks), len(picks) + 1))
-                picks.append(row + m - 1)
-            else:
-                spans.append(None)
-            row += m
-        if not picks:
-            return [None] * len(scheduled)
-        index = torch.tensor(picks, dtype=torch.long, device=hidden.device)
-        stacked = self.model.compute_logits(hidden.index_select(0, index))  # [len(picks), vocab]
-        return [None if span is None else stacked[span[0] : span[1]] for span in spans]
-
     def _wants_drafts(self, req: Request) -> bool:
         return self.speculative and req.params.greedy and not req.params.shapes_logits
 
@@ -233,7 +191,7 @@ class LLMEngine:
             self.cache.snapshot(req, self.cache.state_page(req), end)
         tokens: list[int] = []
         if end == req.num_prefill_tokens:  # the prompt, or every known token after a preemption
-            assert logits is not None  # [1, vocab]: _step_logits picked this chunk's last row
+            assert logits is not None  # [1, vocab]: sampling_logits picked this chunk's last row
             token = req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)
             if req.first_token_s is None:
                 req.first_token_s = time.perf_counter()

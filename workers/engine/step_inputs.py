@@ -1,0 +1,59 @@
+"""What one engine step feeds the model and reads back: the ForwardBatch built from the scheduled
+chunks (with the prompt rows counted: the work a prefix hit must save), and the logits of every row
+that samples, in one vocab projection for the whole step."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.cache_manager import EngineCacheManager
+from workers.engine.scheduler import ChunkKind, ScheduledChunk
+from workers.model.forward_batch import ForwardBatch, SeqChunk
+
+
+def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager) -> ForwardBatch:
+    """One ForwardBatch over every scheduled chunk, in order. Each prefill row is counted on its
+    request (`num_computed_prompt_tokens`) and in the batch (`num_prompt_tokens`); a recompute after a
+    preemption counts again."""
+    ids: list[int] = []
+    chunks = []
+    num_prompt = 0
+    for item in scheduled:
+        req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
+        if item.kind is ChunkKind.PREFILL:  # past the prompt only when resuming after a preemption
+            known = req.prompt_token_ids if n + m <= req.num_prompt_tokens else req.all_token_ids
+            ids.extend(known[n : n + m])
+            req.num_computed_prompt_tokens += m
+            num_prompt += m
+        else:
+            ids.append(req.output_token_ids[-1])
+            ids.extend(req.draft_token_ids)
+        per_token = cache.verify_pages(req, m) if item.kind is ChunkKind.VERIFY else None
+        chunks.append(SeqChunk(n, m, cache.block_table(req), cache.state_page(req), per_token))
+    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
+
+
+def sampling_logits(model, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> list[torch.Tensor | None]:
+    """Logits for every row that samples this step, in one `compute_logits` call (one vocab GEMM per
+    step instead of one per request): a prefill chunk's last row when it ends the prefill, every row
+    of a decode or verify chunk. One entry per scheduled chunk, None where nothing samples. Call it
+    before the chunks' requests advance (it reads `num_computed_tokens`)."""
+    picks: list[int] = []
+    spans: list[tuple[int, int] | None] = []
+    row = 0
+    for item in scheduled:
+        req, m = item.req, item.num_new_tokens
+        if item.kind is not ChunkKind.PREFILL:
+            spans.append((len(picks), len(picks) + m))
+            picks.extend(range(row, row + m))
+        elif req.num_computed_tokens + m == req.num_prefill_tokens:
+            spans.append((len(picks), len(picks) + 1))
+            picks.append(row + m - 1)
+        else:
+            spans.append(None)
+        row += m
+    if not picks:
+        return [None] * len(scheduled)
+    index = torch.tensor(picks, dtype=torch.long, device=hidden.device)
+    stacked = model.compute_logits(hidden.index_select(0, index))  # [len(picks), vocab]
+    return [None if span is None else stacked[span[0] : span[1]] for span in spans]
