@@ -113,16 +113,17 @@ def test_candidates_default_to_the_load_keys_else_every_indexed_replica():
 
 
 def test_a_hybrid_decision_lists_the_chosen_replica_and_every_holder_exactly():
-    # a: 640 with a snapshot (cost 360 + 10); b: attention blocks only (hit 0, attention 320):
-    # listed for its attention; c: nothing, load missing (0): cost 1000, not listed. Moving a's
-    # pages to c would cost 360 + 0 + 640 * 0.05 = 392 > 370: no transfer
+    # a: 640 with a snapshot (cost 360 + 10); b: attention blocks only (hit 0, attention 320,
+    # junction credit 0.5 * 320: cost 1000 - 160 + 7): listed for its attention; c: nothing, load
+    # missing (0): cost 1000, not listed. Moving a's pages to c would cost 360 + 0 + 640 * 0.05 =
+    # 392 > 370: no transfer
     router = make_router({"a": 640, "c": 0})
     index = router.index
     index.add_replica("b")
     records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:20]]
     index.apply_batch("b", 0, len(records), records)
     decision = router.route(HASHES, N, {"a": 10, "b": 7}, candidates={"a", "b", "c"})
-    assert decision == RouteDecision("a", "hybrid", 640, (est("a", 640, 370), ReplicaEstimate("b", 0, 1007, 320)))
+    assert decision == RouteDecision("a", "hybrid", 640, (est("a", 640, 370), ReplicaEstimate("b", 0, 847, 320)))
     assert decision.hit_on("a") == 640 and decision.hit_on("b") == 0 and decision.hit_on("c") == 0
     overlap = Router(index, router.coordinator, RoutingPolicy.ATTENTION_OVERLAP)
     assert overlap.route(HASHES, N, {"a": 100, "b": 7}).policy == "attention_overlap"
@@ -176,13 +177,15 @@ def test_random_is_not_round_robin():
     assert set(picks) == {"a", "b"} and picks != ["a", "b"] * 10
 
 
-def test_an_attention_only_holder_pays_the_full_prefill():
-    # b holds attention blocks but no snapshot: hit 0, cost 1000 + 1; c, empty and idle: 1000
-    router = make_router({"c": 0})
+@pytest.mark.parametrize(("credit", "credited"), [(0.0, 0), (0.5, 160)])
+def test_an_attention_only_holder_pays_the_prefill_less_its_junction_credit(credit, credited):
+    # b holds attention blocks over 320 tokens but no snapshot: hit 0, cost 1000 - credit * 320 +
+    # its load; c, empty and idle: 1000. Without credit b pays the full prefill
+    router = make_router({"c": 0}, RouterConfig(junction_credit=credit))
     attention_only(router, "b", 320)
-    assert {router.route(HASHES, N, {"b": 1, "c": 0}).replica_id for _ in range(10)} == {"c"}
+    assert {router.route(HASHES, N, {"b": credited + 1, "c": 0}).replica_id for _ in range(10)} == {"c"}
     # at equal cost the attention holder wins every time (it can snapshot the junction)
-    assert {router.route(HASHES, N, {"b": 0, "c": 0}).replica_id for _ in range(10)} == {"b"}
+    assert {router.route(HASHES, N, {"b": credited, "c": 0}).replica_id for _ in range(10)} == {"b"}
 
 
 def test_costs_scale_with_the_configured_prices():
