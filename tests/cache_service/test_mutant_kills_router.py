@@ -231,3 +231,16 @@ def test_a_listed_holder_without_a_load_report_is_costed_at_zero_load():
     router = make_router({"a": 640, "b": 320})
     decision = router.route(HASHES, N, {"a": 0}, candidates={"a", "b"})
     assert decision.estimates == (est("a", 640, 360), est("b", 320, 680))
+
+
+def test_a_real_hit_keeps_its_full_saving_and_only_the_match_beyond_it_is_credited():
+    # a holds attention blocks over 640 tokens and a snapshot at 256: hit 256, match 640; its cost
+    # is 1000 - 256 - 0.5 * (640 - 256) + 10 = 562 (not 1000 - 0.5 * 384, nor a credit on 640 + 256);
+    # b holds blocks and a snapshot at 640 (hit = match, nothing credited): 1000 - 640 + 0 = 360
+    router = make_router({"b": 640})
+    router.index.add_replica("a")
+    records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:40]]
+    records.append(BlockRecord(RecordKind.STORED, HASHES[256 // 16 - 1], 0b10))
+    router.index.apply_batch("a", 0, len(records), records)
+    decision = router.route(HASHES, N, {"a": 10, "b": 0})
+    assert decision.estimates == (ReplicaEstimate("a", 256, 562, 640), est("b", 640, 360))
