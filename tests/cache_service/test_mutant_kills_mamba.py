@@ -197,3 +197,26 @@ def test_stats_of_pages_evicted_behind_the_managers_back_are_pruned():
     last = hashes(8)
     assert m.snapshot(last, 1, 64)
     assert m.stats == {last.prefix_hash(64): CheckpointStats(64, 0, 9)}
+
+
+def test_a_transferred_checkpoint_gets_stats_at_its_position_when_reused_or_snapshotted_again():
+    m = make_manager()
+    h = hashes()
+    for position in (64, 128):  # registered by a transfer: no stats yet
+        (page,) = m.pool.allocate(1)
+        m.pool.cache_block(page, h.prefix_hash(position))
+        m.pool.free([page])
+    m.restore("r", h, 64)
+    assert m.stats[h.prefix_hash(64)] == CheckpointStats(64, 1, 1)
+    assert not m.snapshot(h, 1, 128)
+    assert m.stats[h.prefix_hash(128)] == CheckpointStats(128, 0, 2)
+
+
+def test_skips_and_evictions_are_counted_one_by_one():
+    m = make_manager(max_retained_pages=0)
+    assert not m.snapshot(hashes(1), 1, 64) and not m.snapshot(hashes(2), 1, 64)
+    assert m.num_snapshots_skipped == 2
+    b = make_manager(max_retained_pages=1)
+    for seed in range(3):  # each new one is worth more than the older retained one
+        assert b.snapshot(hashes(seed), 1, 64)
+    assert (b.num_evictions, b.num_snapshots, b.num_retained) == (2, 3, 1)
