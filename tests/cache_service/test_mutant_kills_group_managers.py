@@ -106,3 +106,50 @@ def test_admission_counts_spare_mamba_pages_and_pinned_pages():
     # a hit of 64 pins 4 cached free blocks and shares them: growing to 160 needs 6 more (10 <= 11)
     assert tight.can_admit("b", HASHES, 64, 160)
     assert not tight.can_admit("b", HASHES, 64, 16 * 12)  # 8 more: 4 pinned + 8 > 11
+
+
+def make_swa(hashed_tokens: int = 160):
+    coord = HybridCoordinator(make_layout("full:16", "sliding_window:16:40", "mamba:64"), EagleMode.OFF)
+    gm = GroupManagers(coord, [BlockPool(20, g) for g in range(3)])
+    return gm, RequestBlockHashes(16, make_tokens(hashed_tokens, 2, 1000))
+
+
+def test_a_sliding_window_publishes_the_window_tail_of_each_checkpoint_and_drops_dead_blocks():
+    gm, h = make_swa()
+    swa = gm.managers[1]
+    assert [swa._first_live(p) for p in (0, 39, 40, 54, 55, 100)] == [0, 0, 0, 0, 1, 3]
+    gm.admit("r", h, 0, 100)
+    table = list(swa.req_to_blocks["r"])
+    # checkpoint 96: the tail [57, 96) lies in the blocks ending at 64, 80, 96
+    assert gm.publish("r", h, [96, 96, 96], checkpoints=[96]) == [6, 3, 0]
+    assert swa.publish("r", h, 96, [96]) == 0  # already published
+    assert set(swa.pool.cached.values()) == set(table[3:6])
+    null = swa.pool.null_block
+    assert swa.req_to_blocks["r"] == [null] * 3 + table[3:]  # blocks wholly before the window of 96
+    assert all(b.ref_cnt == 0 for b in table[:3])  # ... are given back
+    assert swa.hit_blocks(h, 96) == [null] * 3 + table[3:6]
+
+
+def test_a_sliding_window_never_publishes_past_the_hashed_tokens():
+    gm, h = make_swa(hashed_tokens=100)  # 6 full hash blocks: 96 tokens
+    swa = gm.managers[1]
+    gm.admit("r", h, 0, 128)
+    assert swa.publish("r", h, 128, [128]) == 1  # ends 96, 112, 128: only 96 is hashed
+    assert set(swa.pool.cached) == {h.prefix_hash(96)}
+
+
+def test_a_sliding_window_of_one_token_blocks():
+    coord = HybridCoordinator(make_layout("sliding_window:1:4"), EagleMode.OFF)
+    (swa,) = GroupManagers(coord, [BlockPool(20)]).managers
+    assert [swa._first_live(p) for p in (0, 2, 3, 4, 10)] == [0, 0, 0, 1, 7]
+
+
+def test_growth_checks_each_group_and_decodes_only_when_asked():
+    gm, _ = make_managers(pages=(8, 40, 3))  # 7 full-attention blocks, 2 Mamba pages
+    full, _, mamba = gm.managers
+    gm.admit("r", HASHES, 0, 100)  # takes all 7 full blocks and one Mamba page
+    assert full.pool.num_free_blocks == 0 and mamba.pool.num_free_blocks == 1
+    assert gm.can_grow("r", 100)  # has all it needs: no decode pages unless decoding
+    assert not gm.can_grow("r", 100, decoding=True)  # 2 decode pages, 1 free
+    gm.grow("r", 100)
+    assert mamba.slots["r"].boundary == [] and mamba.pool.num_free_blocks == 1
