@@ -9,8 +9,8 @@ from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.group_managers import DraftAttentionManager, FullAttentionManager, GroupManagers
 from cache_service.mamba_manager import MambaManager
-from cache_service.simulate import make_tokens
-from tests.cache_service.helpers import make_layout
+from cache_service.simulate import make_tokens, simulate
+from tests.cache_service.helpers import make_layout, make_scenario
 
 
 class RecordingBackend:
@@ -153,3 +153,22 @@ def test_growth_checks_each_group_and_decodes_only_when_asked():
     assert not gm.can_grow("r", 100, decoding=True)  # 2 decode pages, 1 free
     gm.grow("r", 100)
     assert mamba.slots["r"].boundary == [] and mamba.pool.num_free_blocks == 1
+
+
+def test_a_simulated_request_needs_a_spare_mamba_page_or_stores_nothing():
+    # 128 tokens: 8 of 9 full blocks fit, but the one usable Mamba page leaves no spare for a snapshot
+    tight = simulate(make_scenario(["full:16", "mamba:64"], 128, num_blocks_per_group=(10, 2)), explain=True)
+    assert tight.cold.explanation[-1] == "pools too small to hold the whole prompt: nothing stored"
+    assert [pool.num_cached_blocks for pool in tight.cache.pools] == [0, 0]
+    roomy = simulate(make_scenario(["full:16", "mamba:64"], 128, num_blocks_per_group=(10, 3)), explain=True)
+    assert roomy.cold.explanation[-1].startswith("reconciliation:") and roomy.cache.pools[0].num_cached_blocks == 8
+
+
+def test_allocation_takes_the_least_recently_freed_block_cached_or_not():
+    pool = BlockPool(4)
+    b1, b2, _ = pool.allocate(3)
+    key = HASHES.prefix_hash(16)
+    pool.cache_block(b1, key)
+    pool.free([b1])
+    pool.free([b2])
+    assert pool.allocate(1) == [b1] and pool.get_cached(key) is None  # LRU: evicted, not skipped
