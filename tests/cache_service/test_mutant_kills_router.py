@@ -113,10 +113,10 @@ def test_candidates_default_to_the_load_keys_else_every_indexed_replica():
 
 
 def test_a_hybrid_decision_lists_the_chosen_replica_and_every_holder_exactly():
-    # a: 640 with a snapshot (cost 360 + 10); b: attention blocks only (hit 0, attention 320):
-    # listed for its attention, cost 1000 - 0.5 (junction credit) * 320 + 7 = 847; c: nothing, load
-    # missing (0): cost 1000, not listed. Moving a's
-    # pages to c would cost 360 + 0 + 640 * 0.05 = 392 > 370: no transfer
+    # a: 640 with a snapshot (cost 360 + 10); b: attention blocks only (hit 0, attention 320,
+    # junction credit 0.5 * 320: cost 1000 - 160 + 7): listed for its attention; c: nothing, load
+    # missing (0): cost 1000, not listed. Moving a's pages to c would cost 360 + 0 + 640 * 0.05 =
+    # 392 > 370: no transfer
     router = make_router({"a": 640, "c": 0})
     index = router.index
     index.add_replica("b")
@@ -177,19 +177,15 @@ def test_random_is_not_round_robin():
     assert set(picks) == {"a", "b"} and picks != ["a", "b"] * 10
 
 
-def test_an_attention_only_holder_pays_the_full_prefill_without_junction_credit():
-    # b holds attention blocks but no snapshot: hit 0; c, empty and idle: 1000.
-    # credit 0: b costs 1000 + 1 > 1000, so c; credit 0.5 (default): b costs 1000 - 160 + 1 = 841, so b,
-    # until its load passes the credit: 1000 - 160 + 161 = 1001 > 1000, so c again
-    router = make_router({"c": 0}, RouterConfig(junction_credit=0.0))
+@pytest.mark.parametrize(("credit", "credited"), [(0.0, 0), (0.5, 160)])
+def test_an_attention_only_holder_pays_the_prefill_less_its_junction_credit(credit, credited):
+    # b holds attention blocks over 320 tokens but no snapshot: hit 0, cost 1000 - credit * 320 +
+    # its load; c, empty and idle: 1000. Without credit b pays the full prefill
+    router = make_router({"c": 0}, RouterConfig(junction_credit=credit))
     attention_only(router, "b", 320)
-    assert {router.route(HASHES, N, {"b": 1, "c": 0}).replica_id for _ in range(10)} == {"c"}
-    router.config = RouterConfig()
-    assert {router.route(HASHES, N, {"b": 1, "c": 0}).replica_id for _ in range(10)} == {"b"}
-    assert {router.route(HASHES, N, {"b": 161, "c": 0}).replica_id for _ in range(10)} == {"c"}
-    router.config = RouterConfig(junction_credit=0.0)
+    assert {router.route(HASHES, N, {"b": credited + 1, "c": 0}).replica_id for _ in range(10)} == {"c"}
     # at equal cost the attention holder wins every time (it can snapshot the junction)
-    assert {router.route(HASHES, N, {"b": 0, "c": 0}).replica_id for _ in range(10)} == {"b"}
+    assert {router.route(HASHES, N, {"b": credited, "c": 0}).replica_id for _ in range(10)} == {"b"}
 
 
 def test_costs_scale_with_the_configured_prices():
@@ -235,3 +231,16 @@ def test_a_listed_holder_without_a_load_report_is_costed_at_zero_load():
     router = make_router({"a": 640, "b": 320})
     decision = router.route(HASHES, N, {"a": 0}, candidates={"a", "b"})
     assert decision.estimates == (est("a", 640, 360), est("b", 320, 680))
+
+
+def test_a_real_hit_keeps_its_full_saving_and_only_the_match_beyond_it_is_credited():
+    # a holds attention blocks over 640 tokens and a snapshot at 256: hit 256, match 640; its cost
+    # is 1000 - 256 - 0.5 * (640 - 256) + 10 = 562 (not 1000 - 0.5 * 384, nor a credit on 640 + 256);
+    # b holds blocks and a snapshot at 640 (hit = match, nothing credited): 1000 - 640 + 0 = 360
+    router = make_router({"b": 640})
+    router.index.add_replica("a")
+    records = [BlockRecord(RecordKind.STORED, h, 0b01) for h in HASHES[:40]]
+    records.append(BlockRecord(RecordKind.STORED, HASHES[256 // 16 - 1], 0b10))
+    router.index.apply_batch("a", 0, len(records), records)
+    decision = router.route(HASHES, N, {"a": 10, "b": 0})
+    assert decision.estimates == (ReplicaEstimate("a", 256, 562, 640), est("b", 640, 360))

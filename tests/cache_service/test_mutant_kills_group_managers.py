@@ -1,0 +1,174 @@
+"""The per-kind group managers behind one facade, exactly: which manager gets the Mamba options,
+what admission, growth and publication take and return per group, the lossless draft block
+copied rather than shared, and the pages a hit pins. Written to kill mutants `make mutants`
+found surviving in cache_service/group_managers.py."""
+
+from __future__ import annotations
+
+from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
+from cache_service.block_pool import BlockPool
+from cache_service.group_managers import DraftAttentionManager, FullAttentionManager, GroupManagers
+from cache_service.mamba_manager import MambaManager
+from cache_service.simulate import make_tokens, simulate
+from tests.cache_service.helpers import make_layout, make_scenario
+
+
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_page(self, group_id: int, src: int, dst: int) -> None:
+        self.copies.append((group_id, src, dst))
+
+
+def make_managers(pages=(40, 40, 12), eagle=EagleMode.LOSSLESS, **options):
+    coord = HybridCoordinator(make_layout("full:16", "draft:16", "mamba:64"), eagle)
+    backend = RecordingBackend()
+    gm = GroupManagers(coord, [BlockPool(n, g) for g, n in enumerate(pages)], backend, mamba_options=options or None)
+    return gm, backend
+
+
+HASHES = RequestBlockHashes(16, make_tokens(160, 2, 1000))
+
+
+def test_one_manager_per_group_and_only_mamba_gets_its_options():
+    gm, _ = make_managers(num_verify_pages=2)
+    full, draft, mamba = gm.managers
+    assert (type(full), type(draft), type(mamba)) == (FullAttentionManager, DraftAttentionManager, MambaManager)
+    assert gm.coordinator is full.coordinator and mamba.num_verify_pages == 2
+    assert gm.of_kind("mamba") == [mamba] and gm.of_kind("draft") == [draft] and gm.of_kind("swa") == []
+
+
+def test_admit_grow_publish_and_free_per_group():
+    gm, _ = make_managers()
+    full, draft, mamba = gm.managers
+    assert gm.can_admit("r", HASHES, 0, 100)
+    gm.admit("r", HASHES, 0, 100)
+    assert all(m.holds("r") for m in gm.managers) and not full.holds("s")
+    assert (len(full.req_to_blocks["r"]), len(draft.req_to_blocks["r"])) == (7, 7)
+    assert full.num_blocks_needed("r", 100) == 0 and full.num_blocks_needed("r", 113) == 1
+    assert gm.can_grow("r", 120, decoding=True) and not gm.can_grow("r", 16 * 60)
+    gm.grow("r", 120, decoding=True)
+    assert len(full.req_to_blocks["r"]) == 8 and len(mamba.slots["r"].boundary) == 2
+    # publication is bounded by the computed tokens, then by the blocks the request holds
+    assert gm.publish("r", HASHES, [40, 40, 40]) == [2, 2, 0]
+    assert gm.publish("r", HASHES, [40, 40, 40]) == [0, 0, 0]
+    assert gm.publish("r", HASHES, [96, 80, 96]) == [4, 3, 0]
+    assert gm.publish("r", HASHES, [160, 160, 160]) == [2, 3, 0]  # 8 blocks held: up to 128
+    keys = gm.cached_keys()
+    assert keys[0] == keys[1] == {HASHES.prefix_hash(16 * (j + 1)) for j in range(8)} and keys[2] == set()
+    gm.free("r")
+    gm.free("nobody")  # freeing an unknown request is a no-op
+    assert not any(m.holds("r") for m in gm.managers)
+    assert "r" not in full.num_published and "r" not in draft.num_published
+
+
+def test_publication_stops_at_the_hashed_tokens():
+    gm, _ = make_managers()
+    short = RequestBlockHashes(16, make_tokens(40, 2, 1000))  # 2 full hash blocks
+    gm.admit("r", short, 0, 64)
+    assert gm.publish("r", short, [64, 64, 64]) == [2, 2, 0]
+
+
+def test_a_lossless_hit_copies_the_draft_block_at_its_end_and_pins_what_it_uses():
+    gm, backend = make_managers()
+    full, draft, mamba = gm.managers
+    gm.admit("a", HASHES, 0, 100)
+    gm.publish("a", HASHES, [96, 96, 96])
+    assert mamba.snapshot(HASHES, mamba.working_page("a"), 64)
+    a_draft = list(draft.req_to_blocks["a"])
+    assert gm.pinned_by_hit(HASHES, 64) == [0, 0, 1]  # a still uses its attention blocks
+    gm.free("a")
+    # the hit of 64: 4 full blocks, 3 shared draft blocks + the one copied, the Mamba snapshot
+    assert gm.pinned_by_hit(HASHES, 64) == [4, 4, 1]
+    assert draft.num_shared_blocks(64) == 3 and draft.num_shared_blocks(0) == 0 and full.num_shared_blocks(64) == 4
+    assert draft.copy_sources(HASHES, 64) == [a_draft[3]] and draft.copy_sources(HASHES, 0) == []
+    del backend.copies[:]
+    gm.admit("b", HASHES, 64, 100)
+    b_draft = draft.req_to_blocks["b"]
+    assert b_draft[:3] == a_draft[:3] and b_draft[3] is not a_draft[3] and len(b_draft) == 7
+    assert (1, a_draft[3].block_id, b_draft[3].block_id) in backend.copies
+    assert a_draft[3].ref_cnt == 0  # the copy source is released after the copy
+    assert gm.pinned_by_hit(HASHES, 64) == [0, 1, 1]  # b uses the shared blocks; the copy sources are free
+    off, _ = make_managers(eagle=EagleMode.OFF)
+    assert off.managers[1].num_shared_blocks(64) == 4 and off.managers[1].copy_sources(HASHES, 64) == []
+
+
+def test_admission_counts_spare_mamba_pages_and_pinned_pages():
+    gm, _ = make_managers(pages=(40, 40, 2))  # one usable Mamba page
+    assert gm.can_admit("r", HASHES, 0, 100)  # no spare page asked by default
+    assert not gm.can_admit("r", HASHES, 0, 100, spare_pages=1)
+    tight, _ = make_managers(pages=(12, 40, 12))  # 11 usable full-attention blocks
+    tight.admit("a", HASHES, 0, 100)
+    tight.publish("a", HASHES, [96, 96, 96])
+    assert tight.managers[2].snapshot(HASHES, 1, 64)
+    tight.free("a")  # 11 free full-attention blocks, 6 of them cached
+    # a hit of 64 pins 4 cached free blocks and shares them: growing to 160 needs 6 more (10 <= 11)
+    assert tight.can_admit("b", HASHES, 64, 160)
+    assert not tight.can_admit("b", HASHES, 64, 16 * 12)  # 8 more: 4 pinned + 8 > 11
+
+
+def make_swa(hashed_tokens: int = 160):
+    coord = HybridCoordinator(make_layout("full:16", "sliding_window:16:40", "mamba:64"), EagleMode.OFF)
+    gm = GroupManagers(coord, [BlockPool(20, g) for g in range(3)])
+    return gm, RequestBlockHashes(16, make_tokens(hashed_tokens, 2, 1000))
+
+
+def test_a_sliding_window_publishes_the_window_tail_of_each_checkpoint_and_drops_dead_blocks():
+    gm, h = make_swa()
+    swa = gm.managers[1]
+    assert [swa._first_live(p) for p in (0, 39, 40, 54, 55, 100)] == [0, 0, 0, 0, 1, 3]
+    gm.admit("r", h, 0, 100)
+    table = list(swa.req_to_blocks["r"])
+    # checkpoint 96: the tail [57, 96) lies in the blocks ending at 64, 80, 96
+    assert gm.publish("r", h, [96, 96, 96], checkpoints=[96]) == [6, 3, 0]
+    assert swa.publish("r", h, 96, [96]) == 0  # already published
+    assert set(swa.pool.cached.values()) == set(table[3:6])
+    null = swa.pool.null_block
+    assert swa.req_to_blocks["r"] == [null] * 3 + table[3:]  # blocks wholly before the window of 96
+    assert all(b.ref_cnt == 0 for b in table[:3])  # ... are given back
+    assert swa.hit_blocks(h, 96) == [null] * 3 + table[3:6]
+
+
+def test_a_sliding_window_never_publishes_past_the_hashed_tokens():
+    gm, h = make_swa(hashed_tokens=100)  # 6 full hash blocks: 96 tokens
+    swa = gm.managers[1]
+    gm.admit("r", h, 0, 128)
+    assert swa.publish("r", h, 128, [128]) == 1  # ends 96, 112, 128: only 96 is hashed
+    assert set(swa.pool.cached) == {h.prefix_hash(96)}
+
+
+def test_a_sliding_window_of_one_token_blocks():
+    coord = HybridCoordinator(make_layout("sliding_window:1:4"), EagleMode.OFF)
+    (swa,) = GroupManagers(coord, [BlockPool(20)]).managers
+    assert [swa._first_live(p) for p in (0, 2, 3, 4, 10)] == [0, 0, 0, 1, 7]
+
+
+def test_growth_checks_each_group_and_decodes_only_when_asked():
+    gm, _ = make_managers(pages=(8, 40, 3))  # 7 full-attention blocks, 2 Mamba pages
+    full, _, mamba = gm.managers
+    gm.admit("r", HASHES, 0, 100)  # takes all 7 full blocks and one Mamba page
+    assert full.pool.num_free_blocks == 0 and mamba.pool.num_free_blocks == 1
+    assert gm.can_grow("r", 100)  # has all it needs: no decode pages unless decoding
+    assert not gm.can_grow("r", 100, decoding=True)  # 2 decode pages, 1 free
+    gm.grow("r", 100)
+    assert mamba.slots["r"].boundary == [] and mamba.pool.num_free_blocks == 1
+
+
+def test_a_simulated_request_needs_a_spare_mamba_page_or_stores_nothing():
+    # 128 tokens: 8 of 9 full blocks fit, but the one usable Mamba page leaves no spare for a snapshot
+    tight = simulate(make_scenario(["full:16", "mamba:64"], 128, num_blocks_per_group=(10, 2)), explain=True)
+    assert tight.cold.explanation[-1] == "pools too small to hold the whole prompt: nothing stored"
+    assert [pool.num_cached_blocks for pool in tight.cache.pools] == [0, 0]
+    roomy = simulate(make_scenario(["full:16", "mamba:64"], 128, num_blocks_per_group=(10, 3)), explain=True)
+    assert roomy.cold.explanation[-1].startswith("reconciliation:") and roomy.cache.pools[0].num_cached_blocks == 8
+
+
+def test_allocation_takes_the_least_recently_freed_block_cached_or_not():
+    pool = BlockPool(4)
+    b1, b2, _ = pool.allocate(3)
+    key = HASHES.prefix_hash(16)
+    pool.cache_block(b1, key)
+    pool.free([b1])
+    pool.free([b2])
+    assert pool.allocate(1) == [b1] and pool.get_cached(key) is None  # LRU: evicted, not skipped

@@ -1,0 +1,222 @@
+"""The Mamba manager's pages, exactly: what a request needs and holds (working, boundary, verify
+pages), which page every state copy reads and writes, the snapshot counters and the checkpoint
+values of the module docstring's formula. Written to kill mutants `make mutants` found surviving
+in cache_service/mamba_manager.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.block_pool import BlockPool, PoolExhaustedError
+from cache_service.coordinator import HybridCoordinator
+from cache_service.mamba_manager import CheckpointStats, MambaManager
+from cache_service.simulate import make_tokens
+from cache_service.specs import CacheLayout, FullAttentionSpec, MambaSpec
+
+LAYOUT = CacheLayout((FullAttentionSpec(16), MambaSpec(64)))
+
+
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_page(self, group_id: int, src: int, dst: int) -> None:
+        self.copies.append((group_id, src, dst))
+
+
+def make_manager(num_pages: int = 12, **kw) -> MambaManager:
+    return MambaManager(1, LAYOUT.groups[1], BlockPool(num_pages, 1), HybridCoordinator(LAYOUT),
+                        RecordingBackend(), **kw)
+
+
+def hashes(seed: int = 0, n: int = 512) -> RequestBlockHashes:
+    return RequestBlockHashes(16, make_tokens(n, seed, 1000))
+
+
+def test_defaults_and_fresh_counters():
+    m = make_manager()
+    assert (m.num_verify_pages, m.num_decode_pages, m.page_size_bytes) == (0, 2, 1)
+    assert (m.clock, m.num_snapshots, m.num_snapshots_skipped, m.num_evictions) == (0, 0, 0, 0)
+    assert make_manager(page_size_bytes=0).page_size_bytes == 1  # at least one byte per page
+    assert make_manager(page_size_bytes=3).page_size_bytes == 3
+    assert make_manager(num_verify_pages=3).num_decode_pages == 5
+
+
+def test_pages_a_request_needs_and_holds_while_prefilling_then_decoding():
+    m = make_manager(num_verify_pages=2)
+    h = hashes()
+    assert m.num_blocks_needed("r", 128) == 1  # a working page
+    assert m.num_blocks_needed("r", 128, decoding=True) == 1 + 4  # and 2 boundary + 2 verify pages
+    assert not m.holds("r") and m.boundary_states("r") == []
+    m.restore("r", h, 0)
+    assert m.holds("r") and m.boundary_states("r") == []
+    assert m.num_blocks_needed("r", 256) == 0
+    assert m.num_blocks_needed("other", 256) == 1
+    assert m.num_blocks_needed("r", 256, decoding=True) == 4
+    m.grow("r", 256)  # prefilling: nothing more
+    assert (m.slots["r"].boundary, m.slots["r"].verify) == ([], [])
+    m.grow("r", 257, decoding=True)
+    slots = m.slots["r"]
+    assert len(slots.boundary) == 2 and len(slots.verify) == 2
+    ids = {slots.working.block_id, *(p.block_id for p in slots.boundary), *(p.block_id for p in slots.verify)}
+    assert len(ids) == 5 and m.pool.num_free_blocks == 12 - 1 - 5
+    assert m.num_blocks_needed("r", 258, decoding=True) == 0
+    m.grow("r", 258, decoding=True)  # already has them: nothing more
+    assert m.pool.num_free_blocks == 6
+    assert m.verify_pages("r", 2) == tuple(p.block_id for p in slots.verify)
+    assert m.verify_pages("r", 1) == (slots.verify[0].block_id,)
+    assert m.publish("r", h, 256) == 0
+    m.free("r")
+    m.free("r")  # a second free (or of an unknown request) is a no-op
+    assert not m.holds("r") and m.pool.num_free_blocks == 11
+
+
+def test_restore_copies_the_checkpoint_into_the_working_page_and_counts_a_reuse():
+    m = make_manager()
+    h = hashes()
+    assert m.snapshot(h, 7, 128)
+    (page,) = m.pool.cached.values()
+    assert m.backend.copies == [(1, 7, page.block_id)]
+    m.restore("r", h, 128)
+    working = m.working_page("r")
+    assert working != page.block_id
+    assert m.backend.copies[-1] == (1, page.block_id, working)
+    st = m.stats[h.prefix_hash(128)]
+    assert (st.position, st.num_reuses, st.last_use, m.clock) == (128, 1, 2, 2)
+    m.restore("s", h, 128)
+    assert (st.num_reuses, st.last_use, m.clock) == (2, 3, 3)
+    m.restore("t", h, 0)  # a cold start copies nothing
+    assert len(m.backend.copies) == 3 and m.clock == 3
+
+
+def test_boundaries_rotate_through_the_two_boundary_pages_and_rollback_reads_a_verify_page():
+    m = make_manager(num_verify_pages=3)
+    m.restore("r", hashes(), 0)
+    m.grow("r", 1, decoding=True)
+    slots = m.slots["r"]
+    b0, b1 = (p.block_id for p in slots.boundary)
+    work = slots.working.block_id
+    m.track_boundary("r", 64, 90)
+    assert m.boundary_states("r") == [(64, b0)] and m.backend.copies[-1] == (1, 90, b0)
+    m.track_boundary("r", 128, 91)
+    assert m.boundary_states("r") == [(64, b0), (128, b1)] and m.backend.copies[-1] == (1, 91, b1)
+    m.track_boundary("r", 192, 92)  # replaces the oldest (64) and keeps oldest first
+    assert m.boundary_states("r") == [(128, b1), (192, b0)] and m.backend.copies[-1] == (1, 92, b0)
+    m.track_boundary("r", 256, 93)
+    assert m.boundary_states("r") == [(192, b0), (256, b1)] and m.backend.copies[-1] == (1, 93, b1)
+    m.rollback("r", 1)
+    assert m.backend.copies[-1] == (1, slots.verify[1].block_id, work)
+    m.rollback("r", 0)
+    assert m.backend.copies[-1] == (1, slots.verify[0].block_id, work)
+
+
+def test_snapshot_positions_and_counters():
+    m = make_manager()
+    h = hashes()
+    assert not m.snapshot(h, 5, 0) and not m.snapshot(h, 5, 65) and not m.snapshot(h, 5, -64)
+    assert m.clock == 0 and m.num_snapshots == 0 and m.backend.copies == []
+    assert m.snapshot(h, 5, 64) and m.snapshot(h, 6, 128)
+    assert (m.clock, m.num_snapshots, m.num_snapshots_skipped) == (2, 2, 0)
+    assert not m.snapshot(h, 7, 64)  # already cached: not taken again, but its use is recorded
+    st = m.stats[h.prefix_hash(64)]
+    assert (st.position, st.num_reuses, st.last_use, m.clock, m.num_snapshots) == (64, 0, 3, 3, 2)
+    assert len(m.backend.copies) == 2
+    one = MambaManager(1, MambaSpec(1), BlockPool(4, 1), HybridCoordinator(CacheLayout((MambaSpec(1),))),
+                       RecordingBackend())
+    assert one.snapshot(RequestBlockHashes(1, [3, 1, 4]), 0, 1)  # block size 1: position 1 is a checkpoint
+
+
+def test_a_snapshot_without_room_is_skipped_and_counted():
+    m = make_manager(4)  # 3 usable pages
+    h = hashes()
+    m.restore("a", h, 0)
+    m.restore("b", h, 0)
+    m.restore("c", h, 0)
+    assert not m.snapshot(h, 1, 64) and not m.snapshot(h, 1, 128)
+    assert (m.num_snapshots_skipped, m.num_snapshots, m.clock) == (2, 0, 2)
+    with pytest.raises(PoolExhaustedError):  # no page, no checkpoint to evict
+        m.restore("d", h, 0)
+
+
+def test_a_zero_budget_keeps_no_checkpoint():
+    m = make_manager(max_retained_pages=0)
+    assert not m.snapshot(hashes(), 1, 64)
+    assert (m.num_snapshots_skipped, m.num_retained, m.num_evictions) == (1, 0, 0)
+
+
+def test_the_budget_skips_a_snapshot_worth_exactly_the_cheapest_and_evicts_a_cheaper_one():
+    m = make_manager(max_retained_pages=1)
+    a, b = hashes(1), hashes(2)
+    assert m.snapshot(a, 1, 128)  # value 128 at age 0
+    # a new checkpoint at 128 made one tick later: a's value is 128 / (1 + 1/64) < 128 -> a goes
+    assert m.snapshot(b, 1, 128)
+    assert set(m.pool.cached) == {b.prefix_hash(128)} and m.num_evictions == 1
+    assert a.prefix_hash(128) not in m.stats and b.prefix_hash(128) in m.stats
+    # b reused once: at age 1 its value is 128 * 2 / (1 + 1/64) ~ 252
+    m.restore("r", b, 128)
+    m.free("r")
+    assert m.clock == 3
+    assert not m.snapshot(a, 1, 192)  # 192 < 128 * 2 / (1 + 1/64): worth less, skipped
+    assert (m.num_snapshots_skipped, m.num_snapshots) == (1, 2)
+    c = make_manager(max_retained_pages=1)
+    assert c.snapshot(a, 1, 128)
+    c.clock -= 1  # the next snapshot's tick brings it back: the new one is worth exactly the same
+    assert not c.snapshot(b, 1, 128)  # equal worth: the retained one stays
+    assert c.num_snapshots_skipped == 1 and set(c.pool.cached) == {a.prefix_hash(128)}
+
+
+def test_the_value_formula():
+    m = make_manager(page_size_bytes=4)
+    m.clock = 64
+    assert m._value(CheckpointStats(128, 0, 64)) == 128 / 4
+    assert m._value(CheckpointStats(128, 1, 64)) == 128 / 4 * 2
+    assert m._value(CheckpointStats(128, 1, 0)) == 128 / 4 * 2 / 2  # one horizon old: halved
+    assert m._value(CheckpointStats(128, 3, 32)) == pytest.approx(128 / 4 * 4 / 1.5)
+
+
+def test_a_page_registered_without_a_snapshot_counts_as_fresh_and_never_reused():
+    m = make_manager()
+    h = hashes()
+    m.clock = 5
+    (page,) = m.pool.allocate(1)
+    m.pool.cache_block(page, h.prefix_hash(64))  # a transfer registered it
+    m.pool.free([page])
+    st = m._stats_of(page)
+    assert (st.position, st.num_reuses, st.last_use) == (0, 0, 5)
+    assert m._cheapest() is page
+
+
+def test_stats_of_pages_evicted_behind_the_managers_back_are_pruned():
+    m = make_manager(4)  # 3 pages; stats pruned when they exceed 2 * 4 = 8 entries
+    for seed in range(8):
+        h = hashes(seed)
+        assert m.snapshot(h, 1, 64)
+        m.pool.evict(h.prefix_hash(64))  # evicted by someone else: the stats entry lingers
+    assert len(m.stats) == 8
+    last = hashes(8)
+    assert m.snapshot(last, 1, 64)
+    assert m.stats == {last.prefix_hash(64): CheckpointStats(64, 0, 9)}
+
+
+def test_a_transferred_checkpoint_gets_stats_at_its_position_when_reused_or_snapshotted_again():
+    m = make_manager()
+    h = hashes()
+    for position in (64, 128):  # registered by a transfer: no stats yet
+        (page,) = m.pool.allocate(1)
+        m.pool.cache_block(page, h.prefix_hash(position))
+        m.pool.free([page])
+    m.restore("r", h, 64)
+    assert m.stats[h.prefix_hash(64)] == CheckpointStats(64, 1, 1)
+    assert not m.snapshot(h, 1, 128)
+    assert m.stats[h.prefix_hash(128)] == CheckpointStats(128, 0, 2)
+
+
+def test_skips_and_evictions_are_counted_one_by_one():
+    m = make_manager(max_retained_pages=0)
+    assert not m.snapshot(hashes(1), 1, 64) and not m.snapshot(hashes(2), 1, 64)
+    assert m.num_snapshots_skipped == 2
+    b = make_manager(max_retained_pages=1)
+    for seed in range(3):  # each new one is worth more than the older retained one
+        assert b.snapshot(hashes(seed), 1, 64)
+    assert (b.num_evictions, b.num_snapshots, b.num_retained) == (2, 3, 1)
