@@ -122,8 +122,10 @@ class FullAttentionProbe(GroupProbe):
             stop = "the prompt's last full block"
         else:
             stop = f"block {blocks} (tokens {match}..{match + self.spec.block_size}) not cached"
+        # the cap is num_prompt_tokens - 1, or the end of the prompt's last full hash block if lower
+        source = "the prompt's full blocks" if self.ctx.cap == self.ctx.num_hashed_tokens else "num_prompt_tokens - 1"
         return (f"{blocks} contiguous blocks cached ({match} tokens), stopped by {stop}; capped at "
-                f"{self.ctx.cap} (num_prompt_tokens - 1) and aligned to {hit}")
+                f"{self.ctx.cap} ({source}) and aligned to {hit}")
 
 
 class SlidingWindowProbe(GroupProbe):

@@ -28,18 +28,18 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("groups, prompt_len, kw, cold, resend", [
     (FULL_MAMBA, 300, {}, [
         "group 0 (full:16): 0 -- 0 contiguous blocks cached (0 tokens), stopped by block 0 (tokens 0..16) not "
-        "cached; capped at 288 (num_prompt_tokens - 1) and aligned to 0",
+        "cached; capped at 288 (the prompt's full blocks) and aligned to 0",
         f"group 1 (mamba:64): 0 -- {COLD_MAMBA}",
         "reconciliation: candidates 256 -> 0; hit 0",
     ], [
         "group 0 (full:16): 256 -- 18 contiguous blocks cached (288 tokens), stopped by the prompt's last full "
-        "block; capped at 288 (num_prompt_tokens - 1) and aligned to 256",
+        "block; capped at 288 (the prompt's full blocks) and aligned to 256",
         "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
         "reconciliation: candidates 256; hit 256",
     ]),
     (FULL_MAMBA, 300, {"resend_len": 1000}, None, [  # the resend runs past what the cold request left
         "group 0 (full:16): 256 -- 18 contiguous blocks cached (288 tokens), stopped by block 18 (tokens "
-        "288..304) not cached; capped at 992 (num_prompt_tokens - 1) and aligned to 256",
+        "288..304) not cached; capped at 992 (the prompt's full blocks) and aligned to 256",
         "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
         "reconciliation: candidates 960 -> 256; hit 256",
     ]),
@@ -64,14 +64,14 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
     ]),
     (FULL_MAMBA, 460, {}, None, [  # seven: the last six and the count
         "group 0 (full:16): 448 -- 28 contiguous blocks cached (448 tokens), stopped by the prompt's last full "
-        "block; capped at 448 (num_prompt_tokens - 1) and aligned to 448",
+        "block; capped at 448 (the prompt's full blocks) and aligned to 448",
         "group 1 (mamba:64): 448 -- state snapshot at 448; snapshots held at <= cap: [128, 192, 256, 320, 384, "
         "448] (7 in all)",
         "reconciliation: candidates 448; hit 448",
     ]),
     (FULL_MAMBA, 1000, {}, None, [  # 15 snapshots (64..960): the last six shown
         "group 0 (full:16): 960 -- 62 contiguous blocks cached (992 tokens), stopped by the prompt's last full "
-        "block; capped at 992 (num_prompt_tokens - 1) and aligned to 960",
+        "block; capped at 992 (the prompt's full blocks) and aligned to 960",
         "group 1 (mamba:64): 960 -- state snapshot at 960; snapshots held at <= cap: [640, 704, 768, 832, 896, "
         "960] (15 in all)",
         "reconciliation: candidates 960; hit 960",
@@ -94,13 +94,13 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
     ]),
     (DROP32, 127, {"eagle": EagleMode.DROP}, [  # the DESIGN.md regression: 127 tokens, block 32, hit 64
         "group 0 (full:32): 0 -- 0 contiguous blocks cached (0 tokens), stopped by block 0 (tokens 0..32) not "
-        "cached; capped at 96 (num_prompt_tokens - 1) and aligned to 0; EAGLE drop (lookahead) needs block "
+        "cached; capped at 96 (the prompt's full blocks) and aligned to 0; EAGLE drop (lookahead) needs block "
         "[L, L+32) cached -> 0",
         f"group 1 (mamba:32): 0 -- {COLD_MAMBA}",
         "reconciliation: candidates 96 -> 0; hit 0",
     ], [
         "group 0 (full:32): 64 -- 3 contiguous blocks cached (96 tokens), stopped by the prompt's last full "
-        "block; capped at 96 (num_prompt_tokens - 1) and aligned to 96; EAGLE drop (lookahead) needs block "
+        "block; capped at 96 (the prompt's full blocks) and aligned to 96; EAGLE drop (lookahead) needs block "
         "[L, L+32) cached: at 96 the lookahead block [96, 128) runs past the prompt's full blocks (96 tokens); "
         "at 64 lookahead block [64, 96) cached -> 64",
         "group 1 (mamba:32): 96 -- state snapshot at 96; snapshots held at <= cap: [32, 64, 96]",
@@ -108,7 +108,7 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
     ]),
     (DROP32, 300, {"eagle": EagleMode.DROP, "resend_len": 1000}, None, [
         "group 0 (full:32): 256 -- 9 contiguous blocks cached (288 tokens), stopped by block 9 (tokens 288..320) "
-        "not cached; capped at 992 (num_prompt_tokens - 1) and aligned to 288; EAGLE drop (lookahead) needs "
+        "not cached; capped at 992 (the prompt's full blocks) and aligned to 288; EAGLE drop (lookahead) needs "
         "block [L, L+32) cached: at 288 the lookahead block [288, 320) is not cached; at 256 lookahead block "
         "[256, 288) cached -> 256",
         "group 1 (mamba:32): 288 -- state snapshot at 288; snapshots held at <= cap: [128, 160, 192, 224, 256, "
@@ -117,7 +117,7 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
     ]),
     (DROP32, 300, {"eagle": EagleMode.DROP, "resend_len": 330}, None, [  # [288, 320) ends at the hashed end
         "group 0 (full:32): 256 -- 9 contiguous blocks cached (288 tokens), stopped by block 9 (tokens 288..320) "
-        "not cached; capped at 320 (num_prompt_tokens - 1) and aligned to 288; EAGLE drop (lookahead) needs "
+        "not cached; capped at 320 (the prompt's full blocks) and aligned to 288; EAGLE drop (lookahead) needs "
         "block [L, L+32) cached: at 288 the lookahead block [288, 320) is not cached; at 256 lookahead block "
         "[256, 288) cached -> 256",
         "group 1 (mamba:32): 288 -- state snapshot at 288; snapshots held at <= cap: [128, 160, 192, 224, 256, "
@@ -126,13 +126,13 @@ def reasons(groups, prompt_len, **kw) -> tuple[list[str], list[str]]:
     ]),
     (["full:32", "mamba:64"], 300, {"eagle": EagleMode.DROP, "drop_rule": DropRule.ALIGNMENT}, [
         "group 0 (full:32): 0 -- 0 contiguous blocks cached (0 tokens), stopped by block 0 (tokens 0..32) not "
-        "cached; capped at 288 (num_prompt_tokens - 1) and aligned to 0; EAGLE drop (alignment rule) removes "
+        "cached; capped at 288 (the prompt's full blocks) and aligned to 0; EAGLE drop (alignment rule) removes "
         "one alignment unit -> 0",
         f"group 1 (mamba:64): 0 -- {COLD_MAMBA}",
         "reconciliation: candidates 256 -> 0; hit 0",
     ], [
         "group 0 (full:32): 192 -- 9 contiguous blocks cached (288 tokens), stopped by the prompt's last full "
-        "block; capped at 288 (num_prompt_tokens - 1) and aligned to 256; EAGLE drop (alignment rule) removes "
+        "block; capped at 288 (the prompt's full blocks) and aligned to 256; EAGLE drop (alignment rule) removes "
         "one alignment unit -> 192",
         "group 1 (mamba:64): 256 -- state snapshot at 256; snapshots held at <= cap: [64, 128, 192, 256]",
         "reconciliation: candidates 256 -> 192; hit 192",
