@@ -22,6 +22,19 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    """A local Ray cluster on loopback (2 CPUs, its own RAY_TMPDIR) for one test module."""
+    import ray
+
+    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    from cluster.ray_cluster import start_local_ray
+
+    start_local_ray(num_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     torch.set_num_threads(2)

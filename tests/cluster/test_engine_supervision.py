@@ -2,7 +2,6 @@
 the front door purges it and every request in flight there finishes on the other replica with
 the output a healthy cluster gives (nothing lost, nothing duplicated)."""
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,18 +14,6 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 CONFIG = EngineConfig(kernels="torch", max_model_len=1024, cache_memory_bytes=48 * 2**20)
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    from cluster.ray_cluster import start_local_ray
-
-    start_local_ray(num_cpus=2)
-    yield ray
-    ray.shutdown()
 
 
 def test_dead_engine_loop_makes_the_replica_unhealthy_and_requests_finish_elsewhere(ray_session, tiny_dir):

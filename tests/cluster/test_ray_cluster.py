@@ -1,7 +1,6 @@
 """Real Ray on loopback: replica actors + the cache-service actor behind `ClusterBackend`:
 routing by hybrid hits, transfers, replica death, cache-service death and rebuild."""
 
-import os
 import threading
 
 import pytest
@@ -15,18 +14,6 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    from cluster.ray_cluster import start_local_ray
-
-    start_local_ray(num_cpus=2)
-    yield ray
-    ray.shutdown()
 
 
 def _backend(tiny_dir, **kw):

@@ -7,7 +7,6 @@ is served there. Every request's simulated hit equals the live engine's `num_cac
 `usage.prompt_tokens_details.cached_tokens` reports)."""
 
 import dataclasses
-import os
 import time
 
 import pytest
@@ -29,18 +28,6 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=2048, kv_block_size=16, mam
 # has siblings whose hits depend on retention (dense would hit 4 more), [3750, 3774) follow-up
 # turns that hit their predecessor's final snapshot; ~40K prompt tokens in all
 SLICES, SCALE = ((3280, 36), (3750, 24)), 1 / 32
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    from cluster.ray_cluster import start_local_ray
-
-    start_local_ray(num_cpus=2)
-    yield ray
-    ray.shutdown()
 
 
 def wait_until_indexed(backend, max_polls: int = 600) -> None:

@@ -32,6 +32,31 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
+def chunk_local_terms(
+    xdt: torch.Tensor, Adt: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1 and 2 of the chunked scan, on tokens laid out in chunks (float32): xdt [c, l, H, P],
+    Adt [H, c, l], B and C [c, l, H, N]. Returns y_diag [c, l, H, P] (each chunk's output from its own
+    tokens: attention-like with a decay mask), chunk_states [c, H, P, N] (each chunk's own
+    contribution to the state at its end) and A_cumsum [H, c, l]."""
+    A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
+    decay = torch.exp(segsum(Adt))  # [H, c, l, s]
+    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay  # [H, c, l, s]
+    y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
+    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)  # [c, H, P, N]
+    return y_diag, chunk_states, A_cumsum
+
+
+def chunk_outputs(
+    y_diag: torch.Tensor, C: torch.Tensor, start_states: torch.Tensor, A_cumsum: torch.Tensor
+) -> torch.Tensor:
+    """Step 4: each chunk's tokens read the state at the chunk's start, decayed to them, on top of
+    y_diag. C [c, l, H, N], start_states [c, H, P, N], A_cumsum [H, c, l] -> [c, l, H, P]."""
+    decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
+    return y_diag + torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)
+
+
 def ssd_chunk_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -64,16 +89,7 @@ def ssd_chunk_scan_ref(
     B = B.view(nc, chunk_size, H, N)  # [c, l, H, N]
     C = C.view(nc, chunk_size, H, N)  # [c, l, H, N]
     Adt = Adt.view(nc, chunk_size, H).permute(2, 0, 1)  # [H, c, l]
-    A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
-
-    # 1. intra-chunk (diagonal blocks): attention-like with decay mask
-    decay = torch.exp(segsum(Adt))  # [H, c, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay  # [H, c, l, s]
-    y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
-
-    # 2. each chunk's own contribution to the state at its end
-    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
-    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)  # [c, H, P, N]
+    y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)  # 1. and 2.
 
     # 3. inter-chunk recurrence: state at the start of every chunk, and the final one
     if initial_state is None:
@@ -83,11 +99,7 @@ def ssd_chunk_scan_ref(
     states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)  # [c+1, H, P, N]
     start_states, final_state = states[:-1], states[-1]  # [c, H, P, N], [H, P, N]
 
-    # 4. state -> output for each chunk's tokens
-    decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
-    y_off = torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)  # [c, l, H, P]
-
-    y = (y_diag + y_off).reshape(nc * chunk_size, H, P)[:L]  # [L, H, P]
+    y = chunk_outputs(y_diag, C, start_states, A_cumsum).reshape(nc * chunk_size, H, P)[:L]  # 4. [L, H, P]
     if D is not None:
         y = y + D.float()[:, None] * x
     return y, final_state

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.ssd import segsum
+from workers.model.ssd import chunk_local_terms, chunk_outputs, segsum
 from workers.model.varlen import VarlenSeqs
 
 
@@ -75,14 +75,8 @@ def ssd_varlen_ref(
     B = B.view(nc, l, H, N)  # [c, l, H, N]
     C = C.view(nc, l, H, N)  # [c, l, H, N]
     Adt = Adt.view(nc, l, H).permute(2, 0, 1)  # [H, c, l]
-    A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
-
     # 1. intra-chunk (diagonal blocks) and 2. each chunk's contribution to the state at its end
-    decay = torch.exp(segsum(Adt))  # [H, c, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay  # [H, c, l, s]
-    y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
-    decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
-    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)  # [c, H, P, N]
+    y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)
 
     # 3. inter-chunk recurrence per sequence, over its chunks padded to max_chunks (padded chunks have
     #    no decay and no input, so the last state is the state after the sequence's last token)
@@ -97,9 +91,7 @@ def ssd_varlen_ref(
     start_states = states[:, :-1].reshape(n * m, H, P, N).index_select(0, layout.chunk_slot)  # [c, H, P, N]
 
     # 4. state -> output for each chunk's tokens
-    decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
-    y_off = torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)  # [c, l, H, P]
-    y = (y_diag + y_off).reshape(nc * l, H, P).index_select(0, layout.token_pos)  # [T, H, P]
+    y = chunk_outputs(y_diag, C, start_states, A_cumsum).reshape(nc * l, H, P).index_select(0, layout.token_pos)
     if D is not None:
         y = y + D.float()[:, None] * x
     return y, final_states
