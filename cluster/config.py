@@ -112,6 +112,15 @@ class RouterSection:
             choices = "hybrid, attention_overlap, round_robin or random"
             raise ConfigError(f"router.policy must be {choices}, got {self.policy!r}")
 
+    def router_config(self):
+        """The cache service's `RouterConfig` with this section's weights."""
+        from cache_service.router import RouterConfig
+
+        return RouterConfig(prefill_cost_per_token=self.prefill_cost_per_token,
+                            load_cost_per_queued_token=self.load_cost_per_queued_token,
+                            transfer_cost_per_token=self.transfer_cost_per_token,
+                            junction_credit=self.junction_credit)
+
 
 @dataclass(frozen=True)
 class ServeConfig:

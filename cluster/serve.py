@@ -100,7 +100,6 @@ def build_backend(config: ServeConfig, model_dir: str):
         # loopback only: Ray reads this when first imported (below); without it, workers report
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from cache_service.router import RouterConfig
     from cluster.autoscaler import AutoscalerConfig
     from cluster.cluster_backend import BackendConfig, ClusterBackend
     from cluster.ray_cluster import connect_ray
@@ -109,10 +108,7 @@ def build_backend(config: ServeConfig, model_dir: str):
     r = config.router
     backend = ClusterBackend(model_dir, engine_config, BackendConfig(
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
-        router=RouterConfig(prefill_cost_per_token=r.prefill_cost_per_token,
-                            load_cost_per_queued_token=r.load_cost_per_queued_token,
-                            transfer_cost_per_token=r.transfer_cost_per_token,
-                            junction_credit=r.junction_credit),
+        router=r.router_config(),
         max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name,
         autoscaler=AutoscalerConfig(c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s,
                                     c.autoscale_interval_s, c.warm_prefixes)))

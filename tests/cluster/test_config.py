@@ -37,3 +37,13 @@ def test_bad_configs_give_one_clear_error(tmp_path, text, message):
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/nope.yaml")
+
+
+def test_router_section_reaches_the_cache_services_router_config(tmp_path):
+    from cache_service.router import RouterConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("router:\n  prefill_cost_per_token: 2.0\n  load_cost_per_queued_token: 3.0\n"
+                    "  transfer_cost_per_token: 0.25\n  junction_credit: 0.75\n")
+    assert load_config(path).router.router_config() == RouterConfig(
+        prefill_cost_per_token=2.0, load_cost_per_queued_token=3.0, transfer_cost_per_token=0.25, junction_credit=0.75)
