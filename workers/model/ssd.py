@@ -32,19 +32,50 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
+_CAUSAL: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _causal_mask(l: int, device: torch.device) -> torch.Tensor:
+    """float32 [l, l]: 1 on and below the diagonal, 0 above (cached per size and device)."""
+    key = (l, str(device))
+    if key not in _CAUSAL:
+        _CAUSAL[key] = torch.tril(torch.ones(l, l, dtype=torch.float32, device=device))
+    return _CAUSAL[key]
+
+
+# exp() below this is < 2e-35, nothing next to float32 sums of O(1) terms; CPU exp takes a slow path
+# for arguments under about -87 (10x slower), so the decay's exponent is clamped here
+_EXP_FLOOR = -80.0
+
+
+def chunk_decay(A_cumsum: torch.Tensor) -> torch.Tensor:
+    """decay[..., i, j] = exp(A_cumsum[i] - A_cumsum[j]) = exp(sum(A dt over (j, i])) for j <= i, 0 above
+    the diagonal. A_cumsum [..., l] (non-increasing: A < 0, dt > 0) -> [..., l, l]. Differences of the
+    running sum, as mamba_ssm's kernels take them (segsum's exact segment sums cost a strided cumsum
+    over the [l, l] tensor)."""
+    l = A_cumsum.shape[-1]
+    diff = A_cumsum[..., :, None] - A_cumsum[..., None, :]  # [..., l, l]; <= 0 on and below the diagonal
+    return diff.clamp_(min=_EXP_FLOOR, max=0.0).exp_().mul_(_causal_mask(l, A_cumsum.device))
+
+
 def chunk_local_terms(
     xdt: torch.Tensor, Adt: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1 and 2 of the chunked scan, on tokens laid out in chunks (float32): xdt [c, l, H, P],
-    Adt [H, c, l], B and C [c, l, H, N]. Returns y_diag [c, l, H, P] (each chunk's output from its own
-    tokens: attention-like with a decay mask), chunk_states [c, H, P, N] (each chunk's own
-    contribution to the state at its end) and A_cumsum [H, c, l]."""
+    Adt [H, c, l], B and C [c, l, G, N] (per group: the H/G heads of a group share them). Returns y_diag
+    [c, l, H, P] (each chunk's output from its own tokens: attention-like with a decay mask),
+    chunk_states [c, H, P, N] (each chunk's own contribution to the state at its end) and A_cumsum
+    [H, c, l]."""
+    c, l, H, P = xdt.shape
+    G, N = B.shape[2], B.shape[3]
     A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
-    decay = torch.exp(segsum(Adt))  # [H, c, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay  # [H, c, l, s]
+    scores = chunk_decay(A_cumsum)  # [H, c, l, s]
+    CB = torch.einsum("clgn,csgn->gcls", C, B)  # [G, c, l, s]: once per group, not per head
+    scores.view(G, H // G, c, l, l).mul_(CB[:, None])  # [H, c, l, s]
     y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
     decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
-    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, decay_to_end, xdt)  # [c, H, P, N]
+    xw = (xdt * decay_to_end.permute(1, 2, 0)[..., None]).view(c, l, G, H // G * P)  # [c, l, G, H/G*P]
+    chunk_states = torch.einsum("clgn,clgq->cgqn", B, xw).reshape(c, H, P, N)  # [c, H, P, N]
     return y_diag, chunk_states, A_cumsum
 
 
@@ -52,9 +83,12 @@ def chunk_outputs(
     y_diag: torch.Tensor, C: torch.Tensor, start_states: torch.Tensor, A_cumsum: torch.Tensor
 ) -> torch.Tensor:
     """Step 4: each chunk's tokens read the state at the chunk's start, decayed to them, on top of
-    y_diag. C [c, l, H, N], start_states [c, H, P, N], A_cumsum [H, c, l] -> [c, l, H, P]."""
-    decay_from_start = torch.exp(A_cumsum)  # [H, c, l]
-    return y_diag + torch.einsum("clhn,chpn,hcl->clhp", C, start_states, decay_from_start)
+    y_diag. C [c, l, G, N], start_states [c, H, P, N], A_cumsum [H, c, l] -> [c, l, H, P]."""
+    c, l, H, P = y_diag.shape
+    G, N = C.shape[2], C.shape[3]
+    from_start = torch.einsum("clgn,cgqn->clgq", C, start_states.reshape(c, G, H // G * P, N))  # [c, l, G, H/G*P]
+    decay_from_start = torch.exp(A_cumsum).permute(1, 2, 0)[..., None]  # [c, l, H, 1]
+    return y_diag + from_start.reshape(c, l, H, P) * decay_from_start
 
 
 def ssd_chunk_scan_ref(
@@ -75,8 +109,7 @@ def ssd_chunk_scan_ref(
     """
     L, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
-    B = B.float().repeat_interleave(H // G, dim=1)  # [L, H, N]
-    C = C.float().repeat_interleave(H // G, dim=1)  # [L, H, N]
+    B, C = B.float(), C.float()  # [L, G, N]
     x = x.float()
     dt = dt.float()
     pad = (-L) % chunk_size
@@ -86,8 +119,8 @@ def ssd_chunk_scan_ref(
     xdt, Adt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, Adt, B, C))
     nc = (L + pad) // chunk_size
     xdt = xdt.view(nc, chunk_size, H, P)  # [c, l, H, P]
-    B = B.view(nc, chunk_size, H, N)  # [c, l, H, N]
-    C = C.view(nc, chunk_size, H, N)  # [c, l, H, N]
+    B = B.view(nc, chunk_size, G, N)  # [c, l, G, N]
+    C = C.view(nc, chunk_size, G, N)  # [c, l, G, N]
     Adt = Adt.view(nc, chunk_size, H).permute(2, 0, 1)  # [H, c, l]
     y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)  # 1. and 2.
 

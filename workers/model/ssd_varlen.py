@@ -30,15 +30,23 @@ def causal_conv1d_varlen_ref(
     channels, K = weight.shape
     layout = seqs.conv_layout(K)
     states = conv_states.to(x.dtype).transpose(1, 2).reshape(-1, channels)  # [n*(K-1), C_]
-    ext = torch.cat([states, x]).index_select(0, layout.ext_rows)  # [T + n*(K-1), C_]
-    y = F.conv1d(ext.t()[None].to(weight.dtype), weight[:, None, :], bias, groups=channels)[0]  # [C_, ext-K+1]
-    y = y.index_select(1, layout.out_cols)  # [C_, T]
+    ext = torch.cat([states, x]).index_select(0, layout.ext_rows)  # [E = T + n*(K-1), C_]
+    # the depthwise conv as K shifted multiply-adds over the token-major buffer: F.conv1d would need the
+    # buffer channel-major (a transposed copy) and runs depthwise convs slowly on CPU
+    taps = ext.to(weight.dtype)
+    width = taps.shape[0] - K + 1  # output positions of a conv without padding
+    y = taps[:width] * weight[:, 0]  # [width, C_]
+    for k in range(1, K):
+        y.addcmul_(taps[k : k + width], weight[:, k])
+    y = y.index_select(0, layout.out_cols)  # [T, C_]
+    if bias is not None:
+        y += bias
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     final = ext.index_select(0, layout.final_rows.flatten()).view(-1, K - 1, channels).transpose(1, 2)  # [n, C_, K-1]
-    return y.t().to(x.dtype), final
+    return y.to(x.dtype), final
 
 
 def ssd_varlen_ref(
@@ -64,16 +72,15 @@ def ssd_varlen_ref(
     x = x.float()
     xdt = x * dt.float()[..., None]  # [T, H, P]
     Adt = A.float()[None, :] * dt.float()  # [T, H]
-    B = B.float().repeat_interleave(H // G, dim=1)  # [T, H, N]
-    C = C.float().repeat_interleave(H // G, dim=1)  # [T, H, N]
+    B, C = B.float(), C.float()  # [T, G, N]
     # row T of each padded tensor is the zero row padded chunk positions read
     xdt, Adt, B, C = (
         torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, layout.chunk_rows) for t in (xdt, Adt, B, C)
     )
     nc = layout.chunk_rows.shape[0] // l
     xdt = xdt.view(nc, l, H, P)  # [c, l, H, P]
-    B = B.view(nc, l, H, N)  # [c, l, H, N]
-    C = C.view(nc, l, H, N)  # [c, l, H, N]
+    B = B.view(nc, l, G, N)  # [c, l, G, N]
+    C = C.view(nc, l, G, N)  # [c, l, G, N]
     Adt = Adt.view(nc, l, H).permute(2, 0, 1)  # [H, c, l]
     # 1. intra-chunk (diagonal blocks) and 2. each chunk's contribution to the state at its end
     y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)
