@@ -13,7 +13,7 @@ from workers.model.errors import KernelUnavailableError
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 from workers.model.kernels import TORCH_KERNELS, attention_ref, missing_cuda_packages, select_kernels
 from workers.model.paged_plan import PagedPlan
-from workers.model.ssd import selective_state_update_ref
+from workers.model.ssd import conv1d_update_ref, selective_state_update_ref
 from workers.model.varlen import VarlenSeqs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -75,6 +75,23 @@ def test_torch_state_update_equals_reference():
     assert not torch.equal(pool[slots], before[slots])  # the states really advanced
     others = [s for s in range(9) if s not in slots.tolist()]
     assert torch.equal(pool[others], before[others])  # and no other slot was touched
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_torch_conv_update_equals_reference(bias):
+    g = torch.Generator().manual_seed(5)
+    Bsz, channels, K = 4, 12, 4
+    pool = torch.randn(7, channels, K - 1, generator=g)
+    slots = torch.tensor([6, 0, 3, 2])
+    x, weight = torch.randn(Bsz, channels, generator=g), torch.randn(channels, K, generator=g)
+    b = torch.randn(channels, generator=g) if bias else None
+    ref_pool, before = pool.clone(), pool.clone()
+    y = TORCH_KERNELS.conv1d_update(x, pool, slots, weight, b, "silu")
+    torch.testing.assert_close(y, conv1d_update_ref(x, ref_pool, slots, weight, b, "silu"), atol=1e-6, rtol=1e-5)
+    assert torch.equal(pool, ref_pool)  # the shifted window is copied, not computed: bit-equal
+    assert torch.equal(pool[slots][:, :, :-1], before[slots][:, :, 1:]) and torch.equal(pool[slots][:, :, -1], x)
+    others = [s for s in range(7) if s not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
 
 
 def test_paged_attention_ref_equals_attention_ref_per_chunk():

@@ -1,7 +1,8 @@
 """Kernel choice: `auto | torch | cuda` -> a `KernelSet` of five functions the layers call, each over the
 whole batch of one step (varlen: packed sequences with per-sequence metadata, see varlen.py / paged_plan.py).
 
-- `torch`: the references in ssd.py / ssd_varlen.py plus torch SDPA (grouped, padded). Runs anywhere.
+- `torch`: the references in ssd.py / ssd_varlen.py (the two decode updates in fewer passes, below) plus
+           torch SDPA (grouped, padded). Runs anywhere.
 - `cuda`:  mamba_ssm (SSD scan with seq_idx / cu_seqlens, selective state update), causal_conv1d
            (varlen conv with seq_idx, conv update), flash_attn (flash_attn_varlen_func with cu_seqlens).
            A missing package or no CUDA device raises KernelUnavailableError; never a silent fallback.
@@ -24,7 +25,6 @@ import torch.nn.functional as F
 
 from workers.model.errors import KernelUnavailableError
 from workers.model.paged_plan import PagedPlan
-from workers.model.ssd import conv1d_update_ref
 from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
 from workers.model.varlen import VarlenSeqs
 
@@ -76,6 +76,24 @@ def paged_attention_ref(
     return out
 
 
+def conv1d_update_torch(x, conv_pool, slots, weight, bias, activation="silu"):
+    """conv1d_update_ref without materialising the [B, C_, K] window (a cat and a strided reduction over
+    it): the state's K-1 taps as one product-sum, the new input's tap added on top, and the shifted state
+    written back as one contiguous copy. Equal to the reference up to float reassociation."""
+    K = weight.shape[1]
+    state = conv_pool.index_select(0, slots)  # [B, C_, K-1]: a copy
+    y = (state.to(weight.dtype) * weight[:, : K - 1]).sum(-1)  # [B, C_]
+    y.addcmul_(x.to(weight.dtype), weight[:, K - 1])
+    if bias is not None:
+        y += bias
+    if activation == "silu":
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    conv_pool.index_copy_(0, slots, torch.cat([state[:, :, 1:], x[:, :, None].to(conv_pool.dtype)], dim=2))
+    return y.to(x.dtype)
+
+
 def state_update_torch(ssm_pool, slots, x, dt, A, B, C, D=None):
     """selective_state_update_ref in fewer passes over the [B, H, P, N] states (the decode hot spot on CPU):
     in-place decay, the input outer product per group with addcmul_, y as a product-sum per group.
@@ -121,7 +139,7 @@ class KernelSet:
 
 
 TORCH_KERNELS = KernelSet(
-    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_ref, state_update_torch,
+    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_torch, state_update_torch,
     paged_attention_ref,
 )
 
