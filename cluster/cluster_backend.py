@@ -43,6 +43,7 @@ from cluster.controller import AutoscalerProxy, ClusterController, controller_na
 from cluster.index_check import index_problems
 from cluster.membership import MembershipView
 from cluster.messages import TransferMsg
+from cluster.replica_restarts import ReplicaRestartConfig
 from cluster.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.routing_client import RoutingClient
 from cluster.transfers import Transfers, plan_transfer
@@ -80,6 +81,7 @@ class BackendConfig:
     health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
     cluster_name: str | None = None  # names the controller and cache-service actors (default: a fresh one)
     autoscaler: AutoscalerConfig | None = None  # run by the controller (None: a fixed replica count)
+    restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)  # fixed count: dead replicas replaced
 
 
 class ClusterBackend:
@@ -279,7 +281,8 @@ class ClusterBackend:
             controller = ray.get(self.controller.stats.remote(), timeout=10)
         except Exception:  # noqa: BLE001
             controller = {}
-        return {"replica_deaths": controller.get("replica_deaths", 0), "transfers": controller.get("transfers", 0),
+        return {"replica_deaths": controller.get("replica_deaths", 0),
+                "replica_restarts": controller.get("replica_restarts", 0), "transfers": controller.get("transfers", 0),
                 "transfer_failures": controller.get("transfer_failures", 0), **self.routing.counters,
                 "retries": self.num_retries, "service_resyncs": self._resyncs_before + self._resyncs_seen}
 
