@@ -110,6 +110,7 @@ class ClusterBackend:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self._served_by: dict[str, str] = {}  # request id -> replica, for `generate`
         self.metrics = None
+        self._controller_counters: dict = {}
         self.num_retries = 0
         self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
         self._service_epoch: str | None = None
@@ -175,6 +176,15 @@ class ClusterBackend:
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
         self.transfers.metrics = metrics
+        metrics.attach_cluster_counters(self.controller_counters)
+
+    def controller_counters(self) -> dict:
+        """The controller's counters (replica deaths, restarts, transfers); the last seen while it is busy."""
+        try:
+            self._controller_counters = ray.get(self.controller.stats.remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - busy or gone: the last known values
+            pass
+        return self._controller_counters
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, replica_id: str | None = None, _report: bool = False) -> RequestStream:

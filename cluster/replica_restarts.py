@@ -166,22 +166,23 @@ class ReplicaRestarter:
 
     # ---- the policy -------------------------------------------------------------------------------
     def step(self) -> list[RestartEvent]:
-        """Start a replacement for every vacant slot whose wait is over, one after another.
-        Returns at once (nothing) while another step is starting replicas."""
+        """Start a replacement for every vacant slot whose wait is over, one after another (one
+        attempt per slot). Returns at once (nothing) while another step is starting replicas."""
         if not self._stepping.acquire(blocking=False):
             return []
         try:
-            events = []
-            while (slot := self._take_due()) is not None:
+            events: list[RestartEvent] = []
+            while (slot := self._take_due({e.slot for e in events})) is not None:
                 events.append(self._attempt(slot))
             return events
         finally:
             self._stepping.release()
 
-    def _take_due(self) -> _Slot | None:
+    def _take_due(self, tried: set[int]) -> _Slot | None:
         now = self.clock()
         with self._lock:
-            due = [s for s in self._slots if s.vacant_since is not None and not s.starting and s.due_at <= now]
+            due = [s for s in self._slots if s.vacant_since is not None and not s.starting and s.due_at <= now
+                   and s.index not in tried]
             if not due:
                 return None
             slot = min(due, key=lambda s: (s.due_at, s.index))
@@ -190,7 +191,7 @@ class ReplicaRestarter:
             return slot
 
     def _attempt(self, slot: _Slot) -> RestartEvent:
-        replaced, waited = slot.replica_id, self.clock() - slot.vacant_since
+        replaced, waited, failures = slot.replica_id, self.clock() - slot.vacant_since, slot.num_failures
         try:
             new = self.start_replica()
         except Exception as exc:  # noqa: BLE001 - a failed start is one more death of the slot
@@ -199,14 +200,14 @@ class ReplicaRestarter:
                 self.num_failed_starts += 1
                 slot.started_at = self.clock()  # no credit towards the reset: it never ran
                 delay = self._vacate(slot, replaced, f"could not be replaced ({type(exc).__name__}: {exc})")
-            event = RestartEvent(slot.index, replaced, None, slot.num_failures, waited, f"{type(exc).__name__}: {exc}")
+            event = RestartEvent(slot.index, replaced, None, failures, waited, f"{type(exc).__name__}: {exc}")
             log.warning("slot %d: replacement failed; next try in %.1f s", slot.index, delay)
         else:
             with self._lock:
                 slot.starting = False
                 slot.replica_id, slot.started_at, slot.vacant_since, slot.due_at = new, self.clock(), None, None
                 self.num_restarts += 1
-                event = RestartEvent(slot.index, replaced, new, slot.num_failures, waited)
+                event = RestartEvent(slot.index, replaced, new, failures, waited)
                 early = new in self._early_deaths
             log.info("slot %d: %s replaced by %s after %.1f s (restart %d)", slot.index, replaced, new, waited,
                      self.num_restarts)
