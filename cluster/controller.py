@@ -199,7 +199,8 @@ class ClusterController:
     def stats(self) -> dict:
         return {"replica_deaths": self.replicas.num_deaths, "replica_restarts": self.keeper.num_restarts,
                 "replica_restart_failures": self.keeper.num_failed_restarts, **self.transfers.counters,
-                "version": self._version, "num_replicas": len(self.replicas.replicas)}
+                "version": self._version, "num_replicas": len(self.replicas.replicas),
+                "replica_slots": self.keeper.num_slots}
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -49,6 +49,11 @@ class ReplicaCountKeeper:
             self.restarter.replica_failed(replica_id, reason)
 
     @property
+    def num_slots(self) -> int | None:
+        """The count kept after deaths (None: the autoscaler's bounds decide)."""
+        return self.restarter.num_slots if self.restarter is not None else None
+
+    @property
     def num_restarts(self) -> int:
         return self.restarter.num_restarts if self.restarter is not None else 0
 
