@@ -22,12 +22,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 5.0  # the thread's longest sleep with nothing due (a death wakes it at once)
+HISTORY_LEN = 256  # attempts remembered (a crash loop must not grow memory without bound)
 
 
 @dataclass(frozen=True)
@@ -97,11 +99,12 @@ class ReplicaRestarter:
         self._next_slot = 0
         self._lock = threading.Lock()  # guards the slots (deaths arrive from any controller thread)
         self._stepping = threading.Lock()  # one step's attempts at a time
-        self._early_deaths: set[str] = set()  # died before their start returned (slot not set yet)
+        # ids that died before they had a slot (purged while their start was returning): id -> reason
+        self._early_deaths: dict[str, str] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.history: list[RestartEvent] = []
+        self.history: deque[RestartEvent] = deque(maxlen=HISTORY_LEN)  # oldest first
         self.num_restarts = 0  # replacements started and serving
         self.num_failed_starts = 0
 
@@ -113,6 +116,15 @@ class ReplicaRestarter:
             for rid in replica_ids:
                 self._slots.append(_Slot(self._next_slot, rid, now))
                 self._next_slot += 1
+        for rid in replica_ids:
+            self._died_early(rid)
+
+    def _died_early(self, replica_id: str) -> None:
+        """`replica_id` just got its slot: if it died before, its slot falls vacant now."""
+        with self._lock:
+            reason = self._early_deaths.pop(replica_id, None)
+        if reason is not None:
+            self.replica_failed(replica_id, f"{reason} (while starting)")
 
     def release(self, replica_id: str) -> bool:
         """`replica_id` is removed on purpose: its slot goes, and nothing replaces it (also if it
@@ -132,8 +144,10 @@ class ReplicaRestarter:
         with self._lock:
             slot = self._find(replica_id)
             if slot is None or slot.vacant_since is not None:
-                if slot is None and any(s.starting for s in self._slots):
-                    self._early_deaths.add(replica_id)
+                if slot is None:  # maybe its slot is not set yet (ids are never reused)
+                    self._early_deaths[replica_id] = reason
+                    while len(self._early_deaths) > HISTORY_LEN:
+                        del self._early_deaths[next(iter(self._early_deaths))]
                 return None
             delay = self._vacate(slot, replica_id, reason)
         self._wake.set()
@@ -187,7 +201,6 @@ class ReplicaRestarter:
                 return None
             slot = min(due, key=lambda s: (s.due_at, s.index))
             slot.starting = True
-            self._early_deaths.clear()
             return slot
 
     def _attempt(self, slot: _Slot) -> RestartEvent:
@@ -208,11 +221,9 @@ class ReplicaRestarter:
                 slot.replica_id, slot.started_at, slot.vacant_since, slot.due_at = new, self.clock(), None, None
                 self.num_restarts += 1
                 event = RestartEvent(slot.index, replaced, new, failures, waited)
-                early = new in self._early_deaths
             log.info("slot %d: %s replaced by %s after %.1f s (restart %d)", slot.index, replaced, new, waited,
                      self.num_restarts)
-            if early:  # it died before this step knew its id
-                self.replica_failed(new, "died while starting")
+            self._died_early(new)
         self.history.append(event)
         return event
 

@@ -229,6 +229,15 @@ def test_a_replacement_that_dies_before_its_start_returns_is_replaced_again():
     assert again.replaced == event.replica_id and again.num_failures == 2 and len(cluster.live) == 2
 
 
+def test_a_replica_added_on_purpose_that_dies_before_it_is_tracked_is_replaced():
+    keeper, cluster, _ = make(1)
+    rid = cluster.start_replica()  # `add_replicas` started it; the health loop purges it at once
+    cluster.purge(rid, "died")
+    keeper.started([rid])  # then the controller tracks it
+    (event,) = keeper.restarter.step()
+    assert event.replaced == rid and len(cluster.live) == 2 and keeper.restarter.num_slots == 2
+
+
 # ---- the autoscaler owns the count when it is on -------------------------------------------------------
 @pytest.mark.parametrize("autoscaler", [None, AutoscalerConfig(2, 2), AutoscalerConfig(2, 3)])
 def test_one_death_starts_exactly_one_replica_whoever_keeps_the_count(autoscaler):
