@@ -186,7 +186,7 @@ class ReplicaRestarter:
             return []
         try:
             events: list[RestartEvent] = []
-            while (slot := self._take_due({e.slot for e in events})) is not None:
+            while not self._stop.is_set() and (slot := self._take_due({e.slot for e in events})) is not None:
                 events.append(self._attempt(slot))
             return events
         finally:
