@@ -43,6 +43,7 @@ from cluster.controller import AutoscalerProxy, ClusterController, controller_na
 from cluster.index_check import index_problems
 from cluster.membership import MembershipView
 from cluster.messages import TransferMsg
+from cluster.replica_restarts import ReplicaRestartConfig
 from cluster.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.routing_client import RoutingClient
 from cluster.transfers import Transfers, plan_transfer
@@ -80,6 +81,7 @@ class BackendConfig:
     health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
     cluster_name: str | None = None  # names the controller and cache-service actors (default: a fresh one)
     autoscaler: AutoscalerConfig | None = None  # run by the controller (None: a fixed replica count)
+    restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)  # fixed count: dead replicas replaced
 
 
 class ClusterBackend:
@@ -108,6 +110,7 @@ class ClusterBackend:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self._served_by: dict[str, str] = {}  # request id -> replica, for `generate`
         self.metrics = None
+        self._controller_counters: dict = {}
         self.num_retries = 0
         self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
         self._service_epoch: str | None = None
@@ -173,6 +176,15 @@ class ClusterBackend:
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
         self.transfers.metrics = metrics
+        metrics.attach_cluster_counters(self.controller_counters)
+
+    def controller_counters(self) -> dict:
+        """The controller's counters (replica deaths, restarts, transfers); the last seen while it is busy."""
+        try:
+            self._controller_counters = ray.get(self.controller.stats.remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - busy or gone: the last known values
+            pass
+        return self._controller_counters
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, replica_id: str | None = None, _report: bool = False) -> RequestStream:
@@ -279,7 +291,8 @@ class ClusterBackend:
             controller = ray.get(self.controller.stats.remote(), timeout=10)
         except Exception:  # noqa: BLE001
             controller = {}
-        return {"replica_deaths": controller.get("replica_deaths", 0), "transfers": controller.get("transfers", 0),
+        return {"replica_deaths": controller.get("replica_deaths", 0),
+                "replica_restarts": controller.get("replica_restarts", 0), "transfers": controller.get("transfers", 0),
                 "transfer_failures": controller.get("transfer_failures", 0), **self.routing.counters,
                 "retries": self.num_retries, "service_resyncs": self._resyncs_before + self._resyncs_seen}
 

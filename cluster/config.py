@@ -2,6 +2,7 @@
 
     ServeConfig
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
+        restart  ReplicaRestartConfig (cluster.replica_restarts) a fixed count's crash-loop backoff
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
       engine   EngineConfig    (workers.engine.config) scheduler, pools, speculation, retention
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from cluster.replica_restarts import ReplicaRestartConfig
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
 
@@ -48,6 +50,8 @@ class ClusterConfig:
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0
     warm_prefixes: int = 8  # hot prefixes copied onto a new replica
+    # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
+    restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in ("ray", "inprocess"):

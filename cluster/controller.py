@@ -4,8 +4,11 @@
       ReplicaSet      replica actors in placement groups; purge = stop; health checks
       CacheService    a named actor it starts (the index + routing; front doors call it directly)
       Transfers       page moves (whichever front door asks: one per pair at a time) and warming
-      autoscaler      `ReplicaAutoscaler` over the replicas' own load reports (all front doors' work);
-                      this actor is its `ScalableReplicas` (and it replaces dead replicas up to min)
+      count keeper    `ReplicaCountKeeper`: with an autoscaler configured, the `ReplicaAutoscaler`
+                      over the replicas' own load reports (all front doors' work; this actor is its
+                      `ScalableReplicas`; it replaces dead replicas up to min); without one, the
+                      `ReplicaRestarter`, which replaces each dead replica of the fixed count
+                      (crash-loop backoff). Never both.
 
 Front doors (`ClusterBackend`) find it by name: a restarted front door or driver reattaches to
 the running cluster instead of starting another. Replicas and the cache service are owned by the
@@ -22,8 +25,8 @@ import time
 import ray
 
 from cache_service.service import CacheService
-from cluster.autoscaler import ReplicaAutoscaler
 from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg
+from cluster.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.replica_set import ReplicaSet
 from cluster.routing_client import RoutingClient
 from cluster.transfers import Transfers
@@ -48,7 +51,7 @@ class ClusterController:
         self._version = 0
         self._lock = threading.RLock()
         self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
-        self.replicas.add(config.num_replicas)
+        initial = self.replicas.add(config.num_replicas)
         first = next(iter(self.replicas.replicas.values())).info
         self.service = ray.remote(CacheService).options(
             name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
@@ -58,12 +61,13 @@ class ClusterController:
         self.replicas.attach_all()
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
         self.transfers = Transfers(self.replicas, first.alignment, config.transfer_timeout_s, config.hot_prefixes)
-        self.autoscaler = ReplicaAutoscaler(self, config.autoscaler) if config.autoscaler is not None else None
+        self.keeper = ReplicaCountKeeper(self, self._start_replica, config.autoscaler, config.restart)
+        self.keeper.started(initial)
+        self.autoscaler = self.keeper.autoscaler
         self._stop = threading.Event()
         if config.health_interval_s > 0:
             threading.Thread(target=self._health_loop, name="replica-health", daemon=True).start()
-        if self.autoscaler is not None:
-            self.autoscaler.start()
+        self.keeper.start()
 
     # ---- membership ---------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -79,13 +83,14 @@ class ClusterController:
         with self._lock:
             self._version += 1
 
-    def _on_purge(self, replica_id: str) -> None:
+    def _on_purge(self, replica_id: str, reason: str) -> None:
         try:
             ray.get(self.service.remove_replica.remote(replica_id), timeout=10)
         except Exception:  # noqa: BLE001 - the service is down; a restarted one never hears from it
             pass
         self.transfers.forget_replica(replica_id)
         self._changed()
+        self.keeper.purged(replica_id, reason)  # a death: the restarter (if it keeps the count) replaces it
 
     def report_failure(self, replica_id: str, reason: str) -> None:
         """A front door saw `replica_id` fail (died, unhealthy): purge and stop it."""
@@ -113,15 +118,33 @@ class ClusterController:
         return max(doors, sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas))
 
     def add_replicas(self, n: int) -> list[str]:
+        """Start `n` replicas on purpose (the count kept after a death grows by `n`)."""
         cap = self.config.autoscaler.max_replicas if self.config.autoscaler is not None else None
         if cap is not None and len(self.replicas.replicas) + n > cap:
             raise RuntimeError(f"at most {cap} replicas (autoscaler.max_replicas)")
+        ids = self._start_replicas(n)
+        self.keeper.started(ids)
+        return ids
+
+    def _start_replica(self) -> str:
+        """The restarter's replacement for a vacant slot."""
+        (rid,) = self._start_replicas(1)
+        return rid
+
+    def _start_replicas(self, n: int) -> list[str]:
+        """Start, register with the cache service, attach; then front doors see them (version)."""
         ids = self.replicas.add(n)
         try:
             ray.get([self.service.add_replica.remote(r) for r in ids], timeout=10)
         except Exception:  # noqa: BLE001 - a restarted service learns them from their pushes
             pass
-        ray.get([self.replicas.get(r).actor.attach_service.remote(self.service_name, self.namespace) for r in ids])
+        try:
+            ray.get([self.replicas.get(r).actor.attach_service.remote(self.service_name, self.namespace)
+                     for r in ids])
+        except Exception as exc:
+            for r in ids:  # died while starting: never left in the membership
+                self.replicas.purge(r, f"failed to start ({type(exc).__name__})")
+            raise
         self._changed()
         return ids
 
@@ -130,6 +153,7 @@ class ClusterController:
         rep = self.replicas.get(replica_id)
         if rep is None:
             return
+        self.keeper.removing(replica_id)  # not replaced, even if it dies while draining
         rep.draining = True
         self._changed()
         deadline = time.monotonic() + timeout_s
@@ -141,7 +165,7 @@ class ClusterController:
             except Exception:  # noqa: BLE001
                 pass
             time.sleep(0.2)
-        self.replicas.purge(replica_id, "removed")
+        self.replicas.purge(replica_id, REMOVED)
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
@@ -173,13 +197,14 @@ class ClusterController:
         return list(self.autoscaler.history) if self.autoscaler else []
 
     def stats(self) -> dict:
-        return {"replica_deaths": self.replicas.num_deaths, **self.transfers.counters,
-                "version": self._version}
+        return {"replica_deaths": self.replicas.num_deaths, "replica_restarts": self.keeper.num_restarts,
+                "replica_restart_failures": self.keeper.num_failed_restarts, **self.transfers.counters,
+                "version": self._version, "num_replicas": len(self.replicas.replicas),
+                "replica_slots": self.keeper.num_slots}
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self.autoscaler is not None:
-            self.autoscaler.stop()
+        self.keeper.stop()
         self.replicas.shutdown()
         try:
             ray.kill(self.service, no_restart=True)

@@ -2,12 +2,17 @@
 
 The front end records finished requests (`record`), per-token latencies (`observe_itl`) and every
 HTTP response (`record_response`). A cluster backend reports its own events through
-`record_route` and `record_transfer`; it receives this object via `backend.attach_metrics(m)`.
+`record_route` and `record_transfer`; it receives this object via `backend.attach_metrics(m)`,
+and may hand over its controller's counters (replica deaths, restarts) through
+`attach_cluster_counters`, read at each scrape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -108,3 +113,23 @@ class Metrics:
         for key, doc in names.items():
             gauge = self.engine_gauges[key] = Gauge(f"hybridserve_engine_{key}", doc, registry=self.registry)
             gauge.set_function(lambda key=key: stats().get(key, 0))
+
+    def attach_cluster_counters(self, read: Callable[[], dict]) -> None:
+        """Counters of the cluster's controller, `read()` at each scrape: replicas purged as dead or
+        unhealthy, and replacements started for them."""
+        self.registry.register(ClusterCounters(read))
+
+
+class ClusterCounters:
+    """A Prometheus collector over the controller's counters (they live in another actor)."""
+
+    NAMES = {"replica_deaths": "replicas purged as dead, unhealthy or silent",
+             "replica_restarts": "replacements started for dead replicas (fixed replica count)"}
+
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self.read = read
+
+    def collect(self):
+        values = self.read()
+        for key, doc in self.NAMES.items():
+            yield CounterMetricFamily(f"hybridserve_{key}", doc, value=values.get(key, 0))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from cluster.replica_count import REMOVED
 from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
 from workers.replica_messages import ReplicaInfoMsg
 
@@ -64,7 +64,7 @@ class ReplicaSet(ReplicaTable):
     def __init__(self, model_dir: str, engine_config, config, service_name: str, namespace: str | None,
                  secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
         """`config`: the backend config (replica resources, TP size, streams per replica).
-        `on_purge(replica_id)`: called after a replica was purged (index, channels)."""
+        `on_purge(replica_id, reason)`: called after a replica was purged (index, channels, restarts)."""
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.config = config
@@ -102,8 +102,13 @@ class ReplicaSet(ReplicaTable):
                 rid, self.model_dir, self.engine_config, c.tp_size, c.distributed_backend, None, None,
                 c.replica_max_streams, ranks if c.tp_size > 1 else None)
             started.append((rid, actor, pg))
-        infos = ray.get([a.describe.remote() for _, a, _ in started])
-        ray.get([a.set_transfer_secret.remote(self.secret) for _, a, _ in started])
+        try:
+            infos = ray.get([a.describe.remote() for _, a, _ in started])
+            ray.get([a.set_transfer_secret.remote(self.secret) for _, a, _ in started])
+        except Exception:
+            for _, actor, pg in started:  # a replica that cannot start must not hold its placement group
+                self._stop(actor, pg)
+            raise
         out = []
         for (rid, actor, pg), info in zip(started, infos):
             if self.fingerprint is not None and info.fingerprint != self.fingerprint:
@@ -144,25 +149,14 @@ class ReplicaSet(ReplicaTable):
             actors = [r.actor for r in self.replicas.values()]
         ray.get([a.attach_service.remote(self.service_name, self.namespace) for a in actors])
 
-    def remove(self, replica_id: str, timeout_s: float = 60.0) -> None:
-        """Drain (no new requests), wait for this front door's requests on it, then stop it."""
-        with self._lock:
-            rep = self.replicas.get(replica_id)
-            if rep is None:
-                return
-            rep.draining = True
-        deadline = time.monotonic() + timeout_s
-        while rep.num_inflight and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.purge(replica_id, "removed")
-
     def purge(self, replica_id: str, reason: str) -> bool:
-        """Forget and stop a replica. True if it was still known."""
+        """Forget and stop a replica (`reason`: REMOVED when on purpose, else why it was purged:
+        counted as a death). True if it was still known."""
         with self._lock:
             rep = self.replicas.pop(replica_id, None)
         if rep is None:
             return False
-        if reason != "removed":
+        if reason != REMOVED:
             self.num_deaths += 1
             log.warning("replica %s %s: purging and stopping it", replica_id, reason)
         else:
@@ -172,7 +166,7 @@ class ReplicaSet(ReplicaTable):
                 pass
         self._stop(rep.actor, rep.placement_group)
         if self._on_purge is not None:
-            self._on_purge(replica_id)
+            self._on_purge(replica_id, reason)
         return True
 
     @staticmethod

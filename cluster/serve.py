@@ -11,7 +11,8 @@ checkpoint), `--host`, `--port`, `--api-key`, `--served-model-name`, `--tensor-p
 With `cluster.backend: ray` (the default) it starts or joins Ray (an embedded local cluster bound
 to 127.0.0.1 unless `cluster.ray_address` or $RAY_ADDRESS names one), the cache-service actor,
 `cluster.num_replicas` replica actors (TP shards each when `cluster.tp_size` > 1), the replica
-autoscaler when `min_replicas < max_replicas`, and the OpenAI-compatible HTTP server on
+autoscaler when `min_replicas < max_replicas` (else a fixed count: each dead replica is replaced,
+`cluster.restart`), and the OpenAI-compatible HTTP server on
 `http.host:http.port`. `cluster.backend: inprocess` serves one engine in this process (no Ray).
 Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
 """
@@ -109,9 +110,11 @@ def build_backend(config: ServeConfig, model_dir: str):
     backend = ClusterBackend(model_dir, engine_config, BackendConfig(
         num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
         router=r.router_config(),
-        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name,
-        autoscaler=AutoscalerConfig(c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s,
-                                    c.autoscale_interval_s, c.warm_prefixes)))
+        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name, restart=c.restart,
+        # min == max: a fixed count, kept by the controller's restarter (dead replicas replaced with a backoff)
+        autoscaler=None if c.min_replicas == c.max_replicas else AutoscalerConfig(
+            c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
+            c.warm_prefixes)))
     return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 

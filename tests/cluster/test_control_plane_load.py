@@ -60,12 +60,13 @@ def test_300_concurrent_streams_are_queued_served_and_nobody_is_purged(cluster):
 def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_within_max(tiny_dir):
     """A replica whose health checks stall is purged after `health_max_missed` misses, its actor
     is stopped (a call to it fails as dead), requests in flight elsewhere complete, and the
-    replica count never exceeds max_replicas while the autoscaler replaces it."""
+    replica count never exceeds max_replicas while the autoscaler replaces it (the controller runs
+    it, and then no restarter: one death never starts two replicas)."""
     import ray
     from ray.exceptions import RayActorError
 
     from bench.fault_doubles import FaultyReplica
-    from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler
+    from cluster.autoscaler import AutoscalerConfig
     from cluster.cluster_backend import BackendConfig, ClusterBackend
     from workers.engine.config import EngineConfig
 
@@ -74,10 +75,11 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
 
         start_local_ray(num_cpus=2)
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20)
+    scaling = AutoscalerConfig(1, 2, scale_up_queue_depth=0.5, interval_s=0.2)
     backend = ClusterBackend(tiny_dir, engine, BackendConfig(num_replicas=2, health_interval_s=0.3,
-                                                             health_timeout_s=0.5, health_max_missed=2),
+                                                             health_timeout_s=0.5, health_max_missed=2,
+                                                             autoscaler=scaling),
                              replica_cls=FaultyReplica)
-    scaler = ReplicaAutoscaler(backend, AutoscalerConfig(1, 2, scale_up_queue_depth=0.5, interval_s=0.2))
     counts: list[int] = []
     stop = threading.Event()
 
@@ -89,7 +91,6 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
     watcher = threading.Thread(target=watch)
     try:
         watcher.start()
-        scaler.start()
         victim = backend.replica_ids[0]
         actor = backend.replicas.get(victim).actor
         streams = [backend.submit(make_prompt(64, 300 + i), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -103,10 +104,9 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
             ray.get(actor.describe.remote(), timeout=60)
         for s in streams:  # requests on the victim were retried elsewhere
             assert list(s)[-1].finished
-        assert backend.counters["replica_deaths"] == 1
+        assert backend.counters["replica_deaths"] == 1 and backend.counters["replica_restarts"] == 0
     finally:
         stop.set()
         watcher.join()
-        scaler.stop()
         backend.shutdown()
     assert counts and min(counts) >= 1 and max(counts) <= 2, counts  # within [min, max] at every sample

@@ -45,8 +45,8 @@ def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_se
         kill_replica(backend, holder)
         last, served = backend.generate(prompt, PARAMS, replica_id=holder)
         assert served == other and last.token_ids == cold.token_ids and last.num_cached_tokens == 576
-        assert backend.replica_ids == [other]
-        assert list(backend.service_stats()["replicas"]) == [other]  # the dead replica was purged
+        assert holder not in backend.replica_ids and other in backend.replica_ids  # (a replacement may be starting)
+        assert holder not in backend.service_stats()["replicas"]  # the dead replica was purged
     finally:
         backend.shutdown()
 
