@@ -123,3 +123,21 @@ def test_conv_states_equal_token_by_token_updates(b, L, K, seed):
         y_j = conv1d_update_ref(x[:, j], pool, slots, weight, bias, "silu")
         torch.testing.assert_close(y[:, j], y_j, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(states[:, j], pool, atol=0, rtol=0)
+
+
+def test_chunk_decay_is_exp_of_segment_sums_and_never_overflows():
+    """chunk_decay (differences of the running sum, exponent clamped at -80 for CPU exp's fast path)
+    equals exp(segsum) where the decay is representable, is exactly 0 above the diagonal, and stays
+    finite for a chunk whose decay underflows (a segsum-free difference of two sums near -1e4).
+    A decay that forgot the causal mask, or clamped the exponent above zero, fails here."""
+    from workers.model.ssd import chunk_decay, segsum
+
+    g = torch.Generator().manual_seed(7)
+    Adt = -torch.rand(3, 2, 16, generator=g)  # [H, c, l]: A dt < 0
+    got = chunk_decay(torch.cumsum(Adt, dim=-1))
+    torch.testing.assert_close(got, torch.exp(segsum(Adt)), atol=1e-6, rtol=1e-5)
+    upper = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)
+    assert torch.equal(got[..., upper], torch.zeros_like(got[..., upper]))
+    assert torch.equal(torch.diagonal(got, dim1=-2, dim2=-1), torch.ones(3, 2, 16))
+    steep = chunk_decay(torch.cumsum(torch.full((1, 1, 64), -150.0), dim=-1))  # runs to -9600
+    assert torch.isfinite(steep).all() and steep[0, 0, 1, 0] < 1e-30 and steep[0, 0, 5, 5] == 1
