@@ -104,7 +104,10 @@ class SimReplica:
 
     def receive_transfer(self, hashes: RequestBlockHashes, num_tokens: int) -> StoreResult:
         """Pages of a `num_tokens` prefix pushed from another replica (KV blocks + the snapshot),
-        registered as a prefill of that prefix over what this replica already holds."""
+        registered as a prefill of that prefix over this replica's own hit. (The live receiver,
+        `workers/transfer.py`, takes pages only for the keys it lacks; here KV already cached past
+        the own hit also gets fresh pages, as on a recompute: slightly more eviction, on the few
+        requests that move pages.)"""
         return self._store(hashes, self.lookup(hashes, num_tokens + 1).hit_tokens, num_tokens, (num_tokens,))
 
     def _store(self, hashes: RequestBlockHashes, hit_tokens: int, num_tokens: int,
