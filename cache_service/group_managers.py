@@ -129,8 +129,7 @@ class AttentionManager:
         done = self.num_published[request_id]
         if upto <= done:
             return 0
-        cache_block = self.pool.cache_block
-        num_new = sum(cache_block(b, k) for b, k in zip(blocks[done:upto], self._block_keys(hashes, done, upto)))
+        num_new = sum(map(self.pool.cache_block, blocks[done:upto], self._block_keys(hashes, done, upto)))
         self.num_published[request_id] = upto
         return num_new
 
@@ -236,8 +235,8 @@ class GroupManagers:
     def holds_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> bool:
         """Whether every page a hit of `hit_tokens` restores is cached now (the engine admits a
         hit as it looks it up; a simulation that admits later checks first)."""
-        return all(b is not None for m in self.managers
-                   for b in (*m.hit_blocks(hashes, hit_tokens), *m.copy_sources(hashes, hit_tokens)))
+        return all(None not in m.hit_blocks(hashes, hit_tokens) and None not in m.copy_sources(hashes, hit_tokens)
+                   for m in self.managers)
 
     def pinned_by_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[int]:
         """Per group: cached pages of the hit that are free now (pinning takes them off the free queue)."""
