@@ -12,8 +12,9 @@
 Every manager answers the same questions (check-then-act): which cached pages a hit of L pins
 (`hit_blocks`), how many fresh pages restoring it and growing to n positions take
 (`num_blocks_needed`), then acts (`restore`, `grow`), publishes what is complete (`publish`) and
-gives everything back (`free`). Callers (the engine's `EngineCacheManager`, the simulations in
-`simulate.py`) iterate over `GroupManagers.managers` and never index groups by constant.
+gives everything back (`free`). Callers (the engine's `EngineCacheManager`, and every simulation
+through `prefill.run_prefill`) iterate over `GroupManagers.managers` and never index groups by
+constant.
 
 Page contents move through a `PageBackend`: the engine's copies tensors, `NullPageBackend`
 (simulations, `explain`) copies nothing, so one publication and one restore implementation serve
@@ -84,8 +85,8 @@ class AttentionManager:
     def num_shared_blocks(self, hit_tokens: int) -> int:
         return hit_tokens // self.block_size
 
-    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
-        """The cached blocks a hit of `hit_tokens` shares (all cached: the coordinator said so)."""
+    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock | None]:
+        """The cached blocks a hit of `hit_tokens` shares (None where not cached: `holds_hit`)."""
         return self._cached(hashes, 0, self.num_shared_blocks(hit_tokens))
 
     def _block_keys(self, hashes: RequestBlockHashes, first: int, end: int) -> list[BlockHash]:

@@ -1,8 +1,8 @@
-"""A whole prefill through the group managers in one go: how every simulation publishes.
+"""A whole prefill through the group managers in one call: how every simulation publishes.
 
 The engine runs a request's prefill chunk by chunk through the per-kind group managers
-(`group_managers.py`, `mamba_manager.py`); the simulations have no model, so they run it in one
-step over the same managers with a null page backend:
+(`group_managers.py`, `mamba_manager.py`); the simulations have no model, so they make the same
+calls on the same managers in one go, with a null page backend:
 
     admit     restore the hit (share its blocks, copy its Mamba state)
     per chunk (ending at each checkpoint past the hit, then at N):
