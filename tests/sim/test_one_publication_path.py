@@ -124,3 +124,27 @@ def test_only_the_group_managers_cache_blocks_or_walk_retained_block_ends():
                 if name in ("cache_block", "retained_block_ends"):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
     assert offenders == []
+
+
+def test_a_hit_evicted_before_its_prefill_ends_is_restored_from_what_is_still_cached():
+    """The simulator looks a hit up when a request is served and publishes when its prefill
+    ends; the engine pins the hit's pages in between, the simulator cannot. If another
+    publication evicted them meanwhile, publication restores what is still cached instead of
+    failing on a missing page (catches: dropping the `holds_hit` check in `SimReplica.publish`)."""
+    layout = CacheLayout((parse_group_spec("full:16"), parse_group_spec("mamba:64")))
+    coord = HybridCoordinator(layout, EagleMode.OFF)
+    planner = CheckpointPlanner(coord, make_retention("latest", layout.alignment))
+    replica = SimReplica("r", coord, planner, (40, 4), index=None)
+    rng = random.Random(7)
+    first = [rng.randrange(1000) for _ in range(256)]
+    follow_up = RequestBlockHashes(16, first + [rng.randrange(1000) for _ in range(200)])
+    replica.publish(RequestBlockHashes(16, first), 0, 256, ())
+    hit = replica.lookup(follow_up, 456).hit_tokens
+    assert hit == 256
+    other = RequestBlockHashes(16, [rng.randrange(1000) for _ in range(600)])
+    replica.publish(other, 0, 600, ())  # 38 blocks of 39: evicts the first prompt's blocks
+    assert not replica.cache.groups.holds_hit(follow_up, hit)
+    result = replica.publish(follow_up, hit, 456, ())
+    assert result.admitted and result.num_stored_blocks[0] == 456 // 16
+    assert replica.lookup(follow_up, 457).hit_tokens == 448  # its own final boundary
+    replica.cache.check_integrity()
