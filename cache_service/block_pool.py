@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from cache_service.block_hash import BlockHash
 from cache_service.events import EventSink
@@ -75,7 +76,7 @@ class BlockPool:
         out, evicted = [], []
         picks: list[int] = []
         if uncached_first:
-            picks = [i for i, b in self._free.items() if b.block_hash is None][:num_blocks]
+            picks = list(islice((i for i, b in self._free.items() if b.block_hash is None), num_blocks))
         for n in range(num_blocks):
             if n < len(picks):
                 block = self._free.pop(picks[n])

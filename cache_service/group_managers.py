@@ -12,8 +12,9 @@
 Every manager answers the same questions (check-then-act): which cached pages a hit of L pins
 (`hit_blocks`), how many fresh pages restoring it and growing to n positions take
 (`num_blocks_needed`), then acts (`restore`, `grow`), publishes what is complete (`publish`) and
-gives everything back (`free`). Callers (the engine's `EngineCacheManager`, the simulations in
-`simulate.py`) iterate over `GroupManagers.managers` and never index groups by constant.
+gives everything back (`free`). Callers (the engine's `EngineCacheManager`, and every simulation
+through `prefill.run_prefill`) iterate over `GroupManagers.managers` and never index groups by
+constant.
 
 Page contents move through a `PageBackend`: the engine's copies tensors, `NullPageBackend`
 (simulations, `explain`) copies nothing, so one publication and one restore implementation serve
@@ -29,9 +30,31 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool, CacheBlock
 from cache_service.coordinator import EagleMode, HybridCoordinator
 from cache_service.hit_finders import DropRule
-from cache_service.local_cache import retained_block_ends
 from cache_service.mamba_manager import MambaManager
 from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
+
+
+def retained_block_ends(
+    spec, num_computed_tokens: int, checkpoints: Sequence[int], lookahead: bool = False
+) -> list[int]:
+    """Token positions at which group `spec` keeps a cached block (the block's end position).
+
+    full/draft: every full block; sliding window: only the blocks covering each checkpoint's
+    window tail, plus, for a group whose lookup drops by the lookahead rule (`lookahead`), the
+    block starting at each checkpoint (the proof of its successor token); mamba: one state page
+    per checkpoint."""
+    size = spec.block_size
+    if isinstance(spec, MambaSpec):
+        return [c for c in checkpoints if c % size == 0]
+    if isinstance(spec, SlidingWindowSpec):
+        ends: set[int] = set()
+        for c in checkpoints:
+            first = max(0, c - (spec.window - 1)) // size
+            ends.update((j + 1) * size for j in range(first, c // size))
+            if lookahead and c % size == 0 and c + size <= num_computed_tokens:
+                ends.add(c + size)
+        return sorted(ends)
+    return list(range(size, num_computed_tokens // size * size + 1, size))
 
 
 class PageBackend(Protocol):
@@ -62,11 +85,21 @@ class AttentionManager:
     def num_shared_blocks(self, hit_tokens: int) -> int:
         return hit_tokens // self.block_size
 
-    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
-        """The cached blocks a hit of `hit_tokens` shares (all cached: the coordinator said so)."""
-        size = self.block_size
-        return [self.pool.get_cached(hashes.prefix_hash((j + 1) * size))
-                for j in range(self.num_shared_blocks(hit_tokens))]
+    def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock | None]:
+        """The cached blocks a hit of `hit_tokens` shares (None where not cached: `holds_hit`)."""
+        return self._cached(hashes, 0, self.num_shared_blocks(hit_tokens))
+
+    def _block_keys(self, hashes: RequestBlockHashes, first: int, end: int) -> list[BlockHash]:
+        """Prefix keys of this group's blocks [first, end) (block j ends at (j + 1) * block_size)."""
+        step = self.block_size // hashes.hash_block_size
+        keys = hashes.hashes[(first + 1) * step - 1: end * step: step]
+        if len(keys) < end - first:
+            hashes.prefix_hash(end * self.block_size)  # raises: the prefix is not hashed that far
+        return keys
+
+    def _cached(self, hashes: RequestBlockHashes, first: int, end: int) -> list[CacheBlock | None]:
+        get = self.pool.cached.get
+        return [get(k) for k in self._block_keys(hashes, first, end)]
 
     def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
         """Cached pages restored by copy into a private page (none for plain attention)."""
@@ -90,14 +123,16 @@ class AttentionManager:
     # ---- publication --------------------------------------------------------------------------
     def publish(self, request_id: str, hashes: RequestBlockHashes, num_computed: int,
                 checkpoints: Sequence[int] = ()) -> int:
-        """Publish every newly completed block under its prefix hash; returns how many."""
+        """Publish every newly completed block under its prefix hash; returns how many became
+        cached (a block whose prefix another block already holds stays private: first copy wins)."""
         size, blocks = self.block_size, self.req_to_blocks[request_id]
         upto = min(num_computed, len(hashes.hashes) * hashes.hash_block_size, len(blocks) * size) // size
         done = self.num_published[request_id]
-        for j in range(done, upto):
-            self.pool.cache_block(blocks[j], hashes.prefix_hash((j + 1) * size))
-        self.num_published[request_id] = max(done, upto)
-        return max(0, upto - done)
+        if upto <= done:
+            return 0
+        num_new = sum(map(self.pool.cache_block, blocks[done:upto], self._block_keys(hashes, done, upto)))
+        self.num_published[request_id] = upto
+        return num_new
 
     def free(self, request_id: str) -> None:
         """Return the request's blocks tail first (its last blocks are evicted first)."""
@@ -198,6 +233,12 @@ class GroupManagers:
     def of_kind(self, kind: str) -> list:
         return [m for m in self.managers if m.spec.kind == kind]
 
+    def holds_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> bool:
+        """Whether every page a hit of `hit_tokens` restores is cached now (the engine admits a
+        hit as it looks it up; a simulation that admits later checks first)."""
+        return all(None not in m.hit_blocks(hashes, hit_tokens) and None not in m.copy_sources(hashes, hit_tokens)
+                   for m in self.managers)
+
     def pinned_by_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[int]:
         """Per group: cached pages of the hit that are free now (pinning takes them off the free queue)."""
         return [sum(1 for b in (*m.hit_blocks(hashes, hit_tokens), *m.copy_sources(hashes, hit_tokens))
@@ -206,9 +247,10 @@ class GroupManagers:
     def can_admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int,
                   spare_pages: int = 0) -> bool:
         """Whether restoring the hit and growing to `num_positions` fits every pool."""
-        pinned = self.pinned_by_hit(hashes, hit_tokens)
-        for m, pin in zip(self.managers, pinned):
-            need = m.num_blocks_needed(request_id, num_positions) - len(m.hit_blocks(hashes, hit_tokens))
+        for m in self.managers:
+            shared = m.hit_blocks(hashes, hit_tokens)
+            pin = sum(1 for b in (*shared, *m.copy_sources(hashes, hit_tokens)) if b.ref_cnt == 0)
+            need = m.num_blocks_needed(request_id, num_positions) - len(shared)
             if isinstance(m, MambaManager):
                 need = m.num_blocks_needed(request_id, num_positions) + spare_pages
             if not m.pool.can_allocate(max(0, need) + pin):

@@ -193,8 +193,17 @@ class MambaManager:
         return self.stats.setdefault(block.block_hash, CheckpointStats(0, 0, self.clock))
 
     def _cheapest(self) -> CacheBlock | None:
-        free = [b for b in self.pool.cached.values() if b.ref_cnt == 0]
-        return min(free, key=lambda b: (self._value(self._stats_of(b)), b.block_id), default=None)
+        """The free retained checkpoint of least value (ties: lowest page id); one pass, as it
+        runs per snapshot over every retained page. Pages without stats get them (`_stats_of`)."""
+        stats, value = self.stats, self._value
+        best, best_key = None, None
+        for block in self.pool.cached.values():
+            if block.ref_cnt:
+                continue
+            key = (value(stats.get(block.block_hash) or self._stats_of(block)), block.block_id)
+            if best_key is None or key < best_key:
+                best, best_key = block, key
+        return best
 
     def _evict(self, block: CacheBlock) -> None:
         key = block.block_hash
@@ -203,7 +212,7 @@ class MambaManager:
         self.num_evictions += 1
 
     def _num_free_uncached(self) -> int:
-        return self.pool.num_free_blocks - sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0)
+        return self.pool.num_free_blocks - sum(1 for b in self.pool.cached.values() if not b.ref_cnt)
 
     def _can_take(self, num: int) -> bool:
         return self.pool.can_allocate(num)

@@ -2,8 +2,9 @@
 the model. Used by `explain`, the property tests and the lookup benchmark.
 
 A request runs through the same per-kind group managers as the engine's
-(`cache_service.group_managers`), over a null page backend: the hit restored, pages grown to
-the prompt, blocks published, Mamba snapshots taken at the planned checkpoints, pages freed.
+(`cache_service.group_managers`), over a null page backend (`prefill.run_prefill`): the hit
+restored, pages grown to the prompt, blocks published, Mamba snapshots taken at the planned
+checkpoints, pages freed.
 One publication and one junction implementation (`HybridCoordinator.junctions`) serve both."""
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from dataclasses import dataclass, field
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
-from cache_service.group_managers import GroupManagers
 from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
-from cache_service.mamba_manager import MambaManager
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, GroupSpec
 
@@ -72,7 +71,7 @@ def run_request(
     (prefill only: T = num_prompt_tokens). When the attention match outruns the reconciled hit,
     the match end is a shared-prefix junction (`HybridCoordinator.junctions`): snapshotting there
     lets the next sibling request hit. Pools too small for the whole prompt at once: nothing is
-    stored (the engine would preempt or refuse it)."""
+    stored (the engine would preempt or refuse it). Publication: `LocalPrefixCache.store_prefix`."""
     coordinator = cache.coordinator
     hashes = RequestBlockHashes(coordinator.layout.hash_block_size, tokens, cache_salt=salt)
     probes = coordinator.probes(hashes.hashes, len(tokens), cache.lookup_view)
@@ -85,19 +84,7 @@ def run_request(
     junctions = coordinator.junctions(hit)
     n = len(tokens)
     checkpoints = planner.checkpoints(n, n, junctions)
-    groups = GroupManagers(coordinator, cache.pools)
-    rid = "simulated"
-    if groups.can_admit(rid, hashes, hit.hit_tokens, n, spare_pages=1):
-        groups.admit(rid, hashes, hit.hit_tokens, n)
-        for manager in groups.managers:  # group by group, as a replica's events arrive
-            if isinstance(manager, MambaManager):
-                for position in checkpoints:
-                    if position > hit.hit_tokens:
-                        manager.snapshot(hashes, manager.working_page(rid), position)
-            else:
-                manager.publish(rid, hashes, n, checkpoints)
-        groups.free(rid)
-    elif explain:
+    if not cache.store_prefix(hashes, n, checkpoints, hit.hit_tokens).admitted and explain:
         lines.append("pools too small to hold the whole prompt: nothing stored")
     return RequestTrace(n, hit, checkpoints, junctions, lines)
 

@@ -3,7 +3,7 @@ replica's real cache, queues its prefill of the tokens it recomputes, and publis
 and snapshots (retention + junctions) when that prefill ends.
 
     now = arrival
-    publish every prefill that finished by now      (events -> global index)
+    publish every prefill that finished by now      (group managers -> events -> global index)
     choice  = policy(hashes, queues, now)           (the real Router for hybrid & co.)
     [transfer holder -> choice: pages stored on the destination, time added to its prefill]
     hit     = coordinator over the replica's pools  (the same code a worker runs)
@@ -90,7 +90,7 @@ class ClusterSim:
             blocks = settings.layout.pool_blocks(settings.budget_bytes, settings.mamba_fraction)
             self.caches = [SimReplica(r, self.coordinator, self.planner, blocks, self.index) for r in ids]
         self.num_blocks_per_group = blocks
-        self._pending: list[tuple[float, int, int, RequestBlockHashes, int, tuple[int, ...]]] = []
+        self._pending: list[tuple[float, int, int, RequestBlockHashes, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         groups = layout.groups
         self._hashers: dict[int, TraceHasher] = {}  # per trace block size
@@ -99,8 +99,8 @@ class ClusterSim:
     def _publish_until(self, now: float) -> None:
         pending = self._pending
         while pending and pending[0][0] <= now:
-            _, _, replica, hashes, num_tokens, junctions = heapq.heappop(pending)
-            self.caches[replica].publish(hashes, num_tokens, junctions)
+            _, _, replica, hashes, hit_tokens, num_tokens, junctions = heapq.heappop(pending)
+            self.caches[replica].publish(hashes, hit_tokens, num_tokens, junctions)
 
     def _hash(self, req: TraceRequest) -> RequestBlockHashes:
         h = self.coordinator.layout.hash_block_size
@@ -138,14 +138,13 @@ class ClusterSim:
             moved = num_moved * self._attention_bytes_per_token + self._state_bytes
             transfer_s = moved / self.settings.cost.transfer_bytes_per_s
         hit = cache.lookup(hashes, n)
-        cache.touch_hit(hashes, hit.hit_tokens)
         if self.value_retention is not None:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
         cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
             now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length), n - hit.hit_tokens)
         junctions = self.coordinator.junctions(hit)
-        heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, n, junctions))
+        heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, hit.hit_tokens, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
                              hit.attention_match_tokens, num_moved, first - now, finish)
 

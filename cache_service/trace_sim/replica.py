@@ -1,14 +1,15 @@
 """One simulated replica: a real `LocalPrefixCache` (pools sized from page bytes and a memory
-budget) with its event feed into the global index.
+budget, with the per-kind group managers over them) and its event feed into the global index.
 
 A request's blocks are published when its prefill finishes (`publish`), not when it is routed,
 so a request arriving while a sibling is still prefilling does not hit what is not there yet.
-Publication is what an engine does with a request's computed blocks, batched per group: the
-blocks whose prefix hash is not cached yet are taken from the pool (evicting LRU blocks), cached
-under their prefix hashes and released tail first (its last blocks are evicted first); a copy
-already cached stays as it is (the engine's "first copy wins"). The blocks a hit reuses are
-refreshed when the request is served (`touch_hit`). Events travel as the wire's `BlockRecord`s
-through `GlobalIndex.apply_batch`, the path pushed batches take in the live service.
+Publication is the engine's, through the same group managers (`LocalPrefixCache.store_prefix`
+-> `prefill.run_prefill`): the hit restored (its pages pinned and copied, LRU and reuse stats
+refreshed), pages taken for the rest of the prompt (evicting LRU blocks; Mamba checkpoints by
+expected value), complete blocks published under their prefix hashes (a copy already cached
+stays private: "first copy wins"), snapshots taken at the checkpoints past the hit, everything
+freed tail first. Events travel as the wire's `BlockRecord`s through `GlobalIndex.apply_batch`,
+the path pushed batches take in the live service.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.events import EventSink
 from cache_service.global_index import GlobalIndex
-from cache_service.hit_finders import DropRule
-from cache_service.local_cache import LocalPrefixCache, retained_block_ends
+from cache_service.local_cache import LocalPrefixCache
 from cache_service.messages import BlockRecord, RecordKind
+from cache_service.prefill import StoreResult
 from cache_service.retention import CheckpointPlanner
-from cache_service.specs import MambaSpec, SlidingWindowSpec
 
 
 class RecordSink(EventSink):
@@ -82,9 +82,8 @@ class SimReplica:
         self.index = index
         if index is not None:
             index.add_replica(replica_id)
-        self.num_skipped_blocks = 0
-        self._lookahead = [g in coordinator.dropping_groups and coordinator.drop_rule is DropRule.LOOKAHEAD
-                           for g in range(len(coordinator.layout.groups))]
+        self.num_refused_prefills = 0  # prompts the pools could not hold at once: nothing stored
+        self.num_stored_blocks = [0] * len(coordinator.layout.groups)  # published over the run, per group
 
     # ---- cache ----------------------------------------------------------------------------
     def lookup(self, hashes: RequestBlockHashes, num_prompt_tokens: int) -> HitResult:
@@ -93,49 +92,31 @@ class SimReplica:
         return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.cache.lookup_view,
                                                  per_group=False)
 
-    def _keys(self, g: int, hashes: RequestBlockHashes, num_tokens: int, checkpoints: Sequence[int]) -> list:
-        """The prefix keys group `g` keeps for a request (`local_cache.retained_block_ends`)."""
-        spec = self.coordinator.layout.groups[g]
-        chain, h = hashes.hashes, hashes.hash_block_size
-        if isinstance(spec, (MambaSpec, SlidingWindowSpec)):
-            return [chain[e // h - 1] for e in retained_block_ends(spec, num_tokens, checkpoints, self._lookahead[g])]
-        step = spec.block_size // h
-        return chain[step - 1: num_tokens // spec.block_size * step: step]
+    def publish(self, hashes: RequestBlockHashes, hit_tokens: int, num_tokens: int,
+                junctions: Sequence[int]) -> StoreResult:
+        """Store what a finished prefill of `num_tokens` that hit `hit_tokens` leaves behind (the
+        checkpoints retention plans, junctions included), then feed the events to the index. The
+        hit was looked up when the request was served; the engine pins its pages from then on, so
+        if another publication here has evicted some since, what is still cached is restored."""
+        if hit_tokens and not self.cache.groups.holds_hit(hashes, hit_tokens):
+            hit_tokens = self.lookup(hashes, hit_tokens + 1).hit_tokens
+        return self._store(hashes, hit_tokens, num_tokens, self.planner.checkpoints(num_tokens, num_tokens, junctions))
 
-    def touch_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> None:
-        """Refresh LRU for the blocks a hit reused (the engine references them while serving)."""
-        if not hit_tokens:
-            return
-        for g, pool in enumerate(self.cache.pools):
-            cached = pool.cached
-            blocks = [b for b in (cached.get(k) for k in self._keys(g, hashes, hit_tokens, (hit_tokens,)))
-                      if b is not None and b.ref_cnt == 0]
-            pool.touch(blocks)
-            pool.free(reversed(blocks))
+    def receive_transfer(self, hashes: RequestBlockHashes, num_tokens: int) -> StoreResult:
+        """Pages of a `num_tokens` prefix pushed from another replica (KV blocks + the snapshot),
+        registered as a prefill of that prefix over this replica's own hit. (The live receiver,
+        `workers/transfer.py`, takes pages only for the keys it lacks; here KV already cached past
+        the own hit also gets fresh pages, as on a recompute: slightly more eviction, on the few
+        requests that move pages.)"""
+        return self._store(hashes, self.lookup(hashes, num_tokens + 1).hit_tokens, num_tokens, (num_tokens,))
 
-    def publish(self, hashes: RequestBlockHashes, num_tokens: int, junctions: Sequence[int]) -> tuple[int, ...]:
-        """Store what a finished prefill leaves behind, then feed the events to the index.
-        Returns the number of newly stored blocks per group."""
-        return self._store(hashes, num_tokens, self.planner.checkpoints(num_tokens, num_tokens, junctions))
-
-    def receive_transfer(self, hashes: RequestBlockHashes, num_tokens: int) -> tuple[int, ...]:
-        """Pages of a `num_tokens` prefix pushed from another replica (KV blocks + the snapshot)."""
-        return self._store(hashes, num_tokens, (num_tokens,))
-
-    def _store(self, hashes: RequestBlockHashes, num_tokens: int, checkpoints: Sequence[int]) -> tuple[int, ...]:
-        stored = []
-        for g, pool in enumerate(self.cache.pools):
-            cached = pool.cached
-            missing = [k for k in self._keys(g, hashes, num_tokens, checkpoints) if k not in cached]
-            num_new = min(len(missing), pool.num_free_blocks)
-            blocks = pool.allocate(num_new) if num_new else []
-            for block, key in zip(blocks, missing):
-                pool.cache_block(block, key)
-            pool.free(reversed(blocks))  # tail first, as the engine frees a finished request
-            self.num_skipped_blocks += len(missing) - num_new
-            stored.append(num_new)
+    def _store(self, hashes: RequestBlockHashes, hit_tokens: int, num_tokens: int,
+               checkpoints: Sequence[int]) -> StoreResult:
+        result = self.cache.store_prefix(hashes, num_tokens, checkpoints, hit_tokens)
+        self.num_refused_prefills += not result.admitted
+        self.num_stored_blocks = [a + b for a, b in zip(self.num_stored_blocks, result.num_stored_blocks)]
         self.flush_events()
-        return tuple(stored)
+        return result
 
     def flush_events(self) -> None:
         first, end, records = self.cache.events.take_batch()

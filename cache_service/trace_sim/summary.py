@@ -26,6 +26,7 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
     per_replica = Counter(r.replica for r in records)
     counts = [per_replica.get(i, 0) for i in range(s.num_replicas)]
     mean = sum(counts) / len(counts)
+    distinct = {id(c): c for c in sim.caches}.values()  # the oracle's queues share one cache
     return {
         "policy": s.policy,
         "layout": s.layout.name,
@@ -50,7 +51,7 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
             "max": max(counts), "min": min(counts), "max_over_mean": max(counts) / mean if mean else 0.0,
         },
         "memory_at_end": sim.memory_split(),
-        "num_skipped_blocks": sum(c.num_skipped_blocks for c in {id(c): c for c in sim.caches}.values()),
+        "num_refused_prefills": sum(c.num_refused_prefills for c in distinct),
         "wall_s": wall_s,
         "simulated_requests_per_s": len(records) / wall_s if wall_s > 0 else 0.0,
     }

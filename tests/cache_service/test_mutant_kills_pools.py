@@ -53,24 +53,33 @@ def test_the_local_cache_needs_one_size_per_group_and_publishes_events():
     cache = LocalPrefixCache(coord, [40, 8])
     assert isinstance(cache.events, EventSink) and cache.events.enabled
     hashes = RequestBlockHashes(16, make_tokens(300, 1, 50))
-    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult((18, 1), (0, 0))
-    assert len(cache.events.drain()) == 18 + 1  # one stored event per block and page
-    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult((0, 0), (0, 0))
+    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (18, 1))
+    assert len(cache.events.drain()) == 18 + 1  # one stored event per block and page, nothing evicted
+    # a second, cold copy of the prompt: its blocks stay private (first copy wins), no events
+    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (0, 0))
+    assert cache.events.drain() == []
+    cache.check_integrity()
 
 
-def test_store_prefix_counts_what_did_not_fit():
+def test_store_prefix_stores_nothing_when_the_prompt_does_not_fit_at_once():
+    # the engine's admission: every page of the prompt plus a working Mamba page and a spare
+    # one for a snapshot; a pool one page short stores nothing (not a partial prefix)
     coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.OFF)
     hashes = RequestBlockHashes(16, make_tokens(300, 2, 50))
-    one_free = LocalPrefixCache(coord, [40, 2])  # the mamba pool: the null block and one page
-    assert one_free.store_prefix(hashes, 300, (256,)) == StoreResult((18, 1), (0, 0))
-    full = LocalPrefixCache(coord, [40, 3])
-    full.pools[1].allocate(2)  # both pages held by running requests
-    assert full.store_prefix(hashes, 300, (64, 128, 256)) == StoreResult((18, 0), (0, 3))
+    one_page = LocalPrefixCache(coord, [40, 2])  # the mamba pool: the null block and one page
+    assert one_page.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0))
+    short = LocalPrefixCache(coord, [19, 3])  # 18 usable blocks for 19 (the last one partial)
+    assert short.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0))
+    assert [p.num_cached_blocks for p in (*one_page.pools, *short.pools)] == [0, 0, 0, 0]
+    fits = LocalPrefixCache(coord, [20, 3])
+    assert fits.store_prefix(hashes, 300, (64, 128, 256)) == StoreResult(True, (18, 3))
+    # two usable pages: the working state and one retained snapshot, the most valuable (256)
+    assert set(fits.pools[1].cached) == {hashes.prefix_hash(256)}
 
 
 def test_retained_block_ends_at_the_edges():
     from cache_service.coordinator import Boundary
-    from cache_service.local_cache import retained_block_ends
+    from cache_service.group_managers import retained_block_ends
     from cache_service.specs import parse_group_spec
 
     assert retained_block_ends(parse_group_spec("full:1"), 3, ()) == [1, 2, 3]

@@ -1,5 +1,5 @@
 from cache_service import HybridCoordinator
-from cache_service.local_cache import retained_block_ends
+from cache_service.group_managers import retained_block_ends
 from cache_service.simulate import simulate
 from cache_service.specs import SlidingWindowSpec
 from tests.cache_service.helpers import make_hashes, make_layout, make_scenario, make_set_lookup

@@ -200,14 +200,13 @@ def test_the_index_mirrors_every_replicas_pools_after_a_run_with_evictions():
     layout = load_layout("nemotron-nano-9b-v2")
     sim = ClusterSim(SimSettings(layout, load_cost_model("gpu"), 3, "hybrid", 2 * 2**30))
     sim.run(requests)
-    assert sum(c.num_skipped_blocks for c in sim.caches) == 0
-    full = []
+    assert sum(c.num_refused_prefills for c in sim.caches) == 0
     for cache in sim.caches:
         bit = 1 << sim.index.replicas[cache.replica_id].bit
         for g, pool in enumerate(cache.cache.pools):
             in_index = {k for k, mask in sim.index.holders[g].items() if mask & bit}
             assert in_index == set(pool.cached)
-            full.append(pool.num_cached_blocks == pool.num_blocks - 1)
         cache.cache.check_integrity()
-    # every KV pool is full (1,536 blocks of 1 MiB for ~28K blocks of prompts): eviction events ran
-    assert full[0::2] == [True] * 3
+        # every replica published more KV blocks than its pool holds (1,536 blocks of 1 MiB for
+        # ~28K blocks of prompts): eviction events ran
+        assert cache.num_stored_blocks[0] > cache.cache.pools[0].num_blocks
