@@ -12,19 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler, ScaleAction, ScaleReason
+from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # upper bound on waiting for another thread's event (never reached when it works)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class FakeReplicas:

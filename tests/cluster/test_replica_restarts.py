@@ -15,21 +15,11 @@ from hypothesis import strategies as st
 from cluster.autoscaler import AutoscalerConfig
 from cluster.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.replica_restarts import ReplicaRestartConfig
+from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # upper bound on waiting for another thread (never reached when it works)
 CONFIG = ReplicaRestartConfig(backoff_initial_s=1.0, backoff_multiplier=2.0, backoff_max_s=10.0,
                               backoff_reset_s=100.0)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class FakeCluster:

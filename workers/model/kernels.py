@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from workers.model.errors import KernelUnavailableError
 from workers.model.paged_plan import PagedPlan
+from workers.model.ssd import bias_activation
 from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
 from workers.model.varlen import VarlenSeqs
 
@@ -84,12 +85,7 @@ def conv1d_update_torch(x, conv_pool, slots, weight, bias, activation="silu"):
     state = conv_pool.index_select(0, slots)  # [B, C_, K-1]: a copy
     y = (state.to(weight.dtype) * weight[:, : K - 1]).sum(-1)  # [B, C_]
     y.addcmul_(x.to(weight.dtype), weight[:, K - 1])
-    if bias is not None:
-        y += bias
-    if activation == "silu":
-        y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"unsupported conv activation {activation!r}")
+    y = bias_activation(y, bias, activation)
     conv_pool.index_copy_(0, slots, torch.cat([state[:, :, 1:], x[:, :, None].to(conv_pool.dtype)], dim=2))
     return y.to(x.dtype)
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _bias_activation(y: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+def bias_activation(y: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    """The conv's bias and activation (silu or none), shared by every conv reference and kernel."""
     if bias is not None:
         y = y + bias
     if activation == "silu":
@@ -20,6 +21,7 @@ def _bias_activation(y: torch.Tensor, bias: torch.Tensor | None, activation: str
     if activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     return y
+
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above the diagonal. x: [..., T]."""
@@ -176,7 +178,7 @@ def conv1d_update_ref(
     state = conv_pool.index_select(0, slots)  # [B, C_, K-1]; index_select: a fast gather on CPU
     xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C_, K]
     y = (xs.to(weight.dtype) * weight[None]).sum(-1)  # [B, C_]
-    y = _bias_activation(y, bias, activation)
+    y = bias_activation(y, bias, activation)
     conv_pool.index_copy_(0, slots, xs[:, :, 1:].to(conv_pool.dtype).contiguous())  # contiguous: faster scatter
     return y.to(x.dtype)
 
@@ -228,7 +230,7 @@ def causal_conv1d_states_ref(
     xs = torch.cat([conv_state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, K-1+L, C_]
     windows = xs.unfold(1, K, 1)  # [B, L, C_, K]: token j's window, as conv1d_update_ref sees it
     y = (windows.to(weight.dtype) * weight).sum(-1)  # [B, L, C_]
-    y = _bias_activation(y, bias, activation)
+    y = bias_activation(y, bias, activation)
     return y.to(x.dtype), windows[..., 1:]
 
 

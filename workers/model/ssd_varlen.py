@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.ssd import chunk_local_terms, chunk_outputs, segsum
+from workers.model.ssd import bias_activation, chunk_local_terms, chunk_outputs, segsum
 from workers.model.varlen import VarlenSeqs
 
 
@@ -39,12 +39,7 @@ def causal_conv1d_varlen_ref(
     for k in range(1, K):
         y.addcmul_(taps[k : k + width], weight[:, k])
     y = y.index_select(0, layout.out_cols)  # [T, C_]
-    if bias is not None:
-        y += bias
-    if activation == "silu":
-        y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"unsupported conv activation {activation!r}")
+    y = bias_activation(y, bias, activation)
     final = ext.index_select(0, layout.final_rows.flatten()).view(-1, K - 1, channels).transpose(1, 2)  # [n, C_, K-1]
     return y.to(x.dtype), final
 
