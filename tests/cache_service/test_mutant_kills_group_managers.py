@@ -5,8 +5,10 @@ found surviving in cache_service/group_managers.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
-from cache_service.block_pool import BlockPool
+from cache_service.block_pool import BlockPool, PoolExhaustedError
 from cache_service.group_managers import DraftAttentionManager, FullAttentionManager, GroupManagers
 from cache_service.mamba_manager import MambaManager
 from cache_service.simulate import make_tokens, simulate
@@ -178,3 +180,69 @@ def test_allocation_takes_the_least_recently_freed_block_cached_or_not():
     pool.free([b1])
     pool.free([b2])
     assert pool.allocate(1) == [b1] and pool.get_cached(key) is None  # LRU: evicted, not skipped
+
+
+def test_publishing_ahead_of_growth_marks_only_the_blocks_held():
+    # kills AttentionManager.publish__mutmut_9: without the `len(blocks)` bound, blocks 5..10
+    # would count as published though only 4 are held, and the later ones would never be cached
+    gm, _ = make_managers()
+    full = gm.managers[0]
+    gm.admit("r", HASHES, 0, 64)  # 4 blocks held
+    assert full.publish("r", HASHES, 160) == 4
+    gm.grow("r", 160)
+    assert full.publish("r", HASHES, 160) == 6
+    assert set(full.pool.cached) == {HASHES.prefix_hash(16 * (j + 1)) for j in range(10)}
+
+
+def test_a_hit_beyond_the_hashed_prefix_is_a_clear_error():
+    # kills AttentionManager._block_keys__mutmut_12 (TypeError) and _13 (asks a 0.75-token prefix):
+    # the error names the prefix asked for
+    full = make_managers()[0].managers[0]
+    with pytest.raises(ValueError, match="no block hash for a 192-token prefix"):
+        full.hit_blocks(HASHES, 192)  # 160 tokens hashed
+
+
+def cached_hit_of_64(eagle=EagleMode.LOSSLESS, pages=(40, 40, 12)):
+    """Managers holding a free cached hit of 64: 4 full, 4 draft blocks and a Mamba snapshot."""
+    gm, backend = make_managers(pages, eagle)
+    gm.admit("a", HASHES, 0, 64)
+    gm.publish("a", HASHES, [64, 64, 64])
+    assert gm.managers[2].snapshot(HASHES, gm.managers[2].working_page("a"), 64)
+    gm.free("a")
+    return gm
+
+
+def test_a_hit_is_held_only_while_every_page_it_restores_is_cached():
+    # kills holds_hit__mutmut_3 and _8 (a cached hit reads as missing) and _10 (the draft
+    # block copied at the hit's end and the Mamba snapshot are not checked)
+    assert cached_hit_of_64().holds_hit(HASHES, 64)
+    for group in range(3):  # full: a shared block; draft: the copied block; Mamba: the snapshot
+        gm = cached_hit_of_64()
+        assert gm.managers[group].pool.evict(HASHES.prefix_hash(64))
+        assert not gm.holds_hit(HASHES, 64)
+
+
+def test_admission_counts_the_snapshot_a_hit_copies_from():
+    # kills can_admit__mutmut_11: the Mamba page a hit copies from is pinned while the working
+    # page is taken, so it cannot be that page; can_admit says so exactly when admit would fail
+    gm = cached_hit_of_64(pages=(40, 40, 3))  # 2 usable Mamba pages: the snapshot and one more
+    gm.admit("x", HASHES, 0, 16)  # holds the uncached one as its working page
+    assert not gm.can_admit("b", HASHES, 64, 100)
+    with pytest.raises(PoolExhaustedError):
+        gm.admit("b", HASHES, 64, 100)
+    roomy = cached_hit_of_64(pages=(40, 40, 4))
+    roomy.admit("x", HASHES, 0, 16)
+    assert roomy.can_admit("b", HASHES, 64, 100)
+    roomy.admit("b", HASHES, 64, 100)
+
+
+def test_admitting_a_prompt_cached_whole_needs_no_fresh_attention_block():
+    # kills can_admit__mutmut_35: a hit covering all positions (a transfer received over a
+    # prefix already cached asks this) pins the free cached blocks and takes no new one, so a
+    # pool whose free blocks are exactly the hit's admits it
+    gm = cached_hit_of_64(eagle=EagleMode.OFF, pages=(5, 5, 3))  # the 4 usable blocks: the hit's
+    assert gm.can_admit("b", HASHES, 64, 64)
+    gm.admit("b", HASHES, 64, 64)
+    assert gm.managers[0].req_to_blocks["b"] == [gm.managers[0].pool.get_cached(HASHES.prefix_hash(e))
+                                                 for e in (16, 32, 48, 64)]
+    assert not gm.can_admit("c", HASHES, 0, 16)  # and nothing is left

@@ -220,3 +220,28 @@ def test_skips_and_evictions_are_counted_one_by_one():
     for seed in range(3):  # each new one is worth more than the older retained one
         assert b.snapshot(hashes(seed), 1, 64)
     assert (b.num_evictions, b.num_snapshots, b.num_retained) == (2, 3, 1)
+
+
+def test_a_page_in_use_first_in_the_pool_does_not_stop_the_search_for_the_cheapest():
+    # kills _cheapest__mutmut_3 (`break` at the first page in use): the checkpoint a restore
+    # copies from is pinned while the working page is taken; the others are still ranked by
+    # value (64 goes), not left to LRU (which would take 128)
+    m = make_manager(4)  # 3 pages
+    h = hashes()
+    for position in (192, 128, 64):  # cached in this order; LRU order of the free pages too
+        assert m.snapshot(h, 1, position)
+    m.restore("r", h, 192)
+    assert set(m.pool.cached) == {h.prefix_hash(192), h.prefix_hash(128)} and m.num_evictions == 1
+
+
+def test_a_transferred_page_without_stats_is_ranked_before_anyone_asked_for_its_stats():
+    # kills _cheapest__mutmut_6 and _8 (a page without stats crashes the ranking): a page a
+    # transfer registered counts as fresh at position 0, so it is the first to go over budget
+    m = make_manager(max_retained_pages=2)
+    a, b = hashes(1), hashes(2)
+    assert m.snapshot(a, 1, 128)
+    (page,) = m.pool.allocate(1)
+    m.pool.cache_block(page, a.prefix_hash(64))  # a transfer registered it: no stats
+    m.pool.free([page])
+    assert m.snapshot(b, 1, 192)
+    assert set(m.pool.cached) == {a.prefix_hash(128), b.prefix_hash(192)} and m.num_evictions == 1

@@ -84,6 +84,8 @@ def test_retained_block_ends_at_the_edges():
 
     assert retained_block_ends(parse_group_spec("full:1"), 3, ()) == [1, 2, 3]
     assert retained_block_ends(parse_group_spec("full:16"), 47, ()) == [16, 32]
+    # Mamba: a page per checkpoint on a page boundary (kills x_retained_block_ends__mutmut_3, _4, _5)
+    assert retained_block_ends(parse_group_spec("mamba:64"), 300, (64, 65, 100, 128)) == [64, 128]
     # window 18 at 64: the tail [47, 64) starts in block 2 ([32, 48)): blocks ending at 48 and 64
     assert retained_block_ends(parse_group_spec("sliding_window:16:18"), 64, (64,)) == [48, 64]
     assert retained_block_ends(parse_group_spec("sliding_window:1:4"), 2, (2,)) == [1, 2]
