@@ -6,9 +6,12 @@
     cached:      block_hash -> block   (a prefix key, see block_hash.py)
 
 Allocation takes from the head of the free queue and evicts that block's cached hash (a
-`removed` event). Freed blocks go to the tail, so the least recently used cached block is the
-next one evicted. The null block is a real object (never -1): it pads block tables for
-sliding-window positions that hold nothing, is never freed, cached or evicted.
+`removed` event). Freed blocks that hold a cached hash go to the tail, so the least recently used
+cached block is the next one evicted; freed blocks that hold none (a partial last block, KV
+recomputed past a hit whose first copy is cached elsewhere, a working Mamba page) go to the head:
+reusing them costs nothing, so they are taken before any cached block is evicted. The null
+block is a real object (never -1): it pads block tables for sliding-window positions that hold
+nothing, is never freed, cached or evicted.
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[CacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the free queue's tail (kept cached).
-        Pass a request's blocks tail-first so its last blocks are evicted first."""
+        """Drop one reference each; blocks reaching 0 join the free queue: at the tail if cached
+        (kept, evicted in LRU order), at the head if they hold nothing (reused first). Pass a
+        request's blocks tail-first so its last blocks are evicted first."""
         for block in blocks:
             if block is self.null_block:
                 continue
@@ -110,6 +114,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     # ---- caching --------------------------------------------------------------------------
     def get_cached(self, block_hash: BlockHash) -> CacheBlock | None:
@@ -133,6 +139,7 @@ class BlockPool:
         if block is None or block.ref_cnt:
             return False
         self._uncache(block)
+        self._free.move_to_end(block.block_id, last=False)  # now empty: reused before any cached block
         self.events.removed(self.group_id, (block_hash,))
         return True
 

@@ -172,14 +172,28 @@ def test_a_simulated_request_needs_a_spare_mamba_page_or_stores_nothing():
     assert roomy.cache.pools[0].num_cached_blocks == 5
 
 
-def test_allocation_takes_the_least_recently_freed_block_cached_or_not():
-    pool = BlockPool(4)
-    b1, b2, _ = pool.allocate(3)
-    key = HASHES.prefix_hash(16)
-    pool.cache_block(b1, key)
+def test_allocation_takes_empty_blocks_first_then_the_least_recently_freed_cached_one():
+    """A freed block holding no hash goes to the head of the free queue (reusing it costs nothing),
+    a cached one to the tail (LRU). A pool that appended empty blocks at the tail, or took from the
+    tail, would evict a cached block while an empty one waits (the first two asserts fail)."""
+    pool = BlockPool(5)
+    b1, b2, b3, _ = pool.allocate(4)
+    k1, k3 = HASHES.prefix_hash(16), HASHES.prefix_hash(32)
+    pool.cache_block(b1, k1)
+    pool.cache_block(b3, k3)
     pool.free([b1])
-    pool.free([b2])
-    assert pool.allocate(1) == [b1] and pool.get_cached(key) is None  # LRU: evicted, not skipped
+    pool.free([b2])  # empty: ahead of b1, though freed after it
+    pool.free([b3])
+    assert pool.allocate(1) == [b2] and pool.get_cached(k1) is b1 and pool.get_cached(k3) is b3
+    assert pool.allocate(1) == [b1] and pool.get_cached(k1) is None  # LRU among cached: evicted, not skipped
+    assert pool.get_cached(k3) is b3
+    pool = BlockPool(4)
+    c1, c3, _ = pool.allocate(3)
+    pool.cache_block(c1, k1)
+    pool.cache_block(c3, k3)
+    pool.free([c1])
+    pool.free([c3])  # LRU order: c1, c3
+    assert pool.evict(k3) and pool.allocate(1) == [c3] and pool.get_cached(k1) is c1  # evicted: empty, first
 
 
 def test_publishing_ahead_of_growth_marks_only_the_blocks_held():
