@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from itertools import islice
 
 from cache_service.block_hash import BlockHash
 from cache_service.events import EventSink
@@ -70,21 +69,14 @@ class BlockPool:
         return num_blocks <= len(self._free)
 
     # ---- allocation -----------------------------------------------------------------------
-    def allocate(self, num_blocks: int, uncached_first: bool = False) -> list[CacheBlock]:
-        """Take `num_blocks` blocks (ref_cnt 1 each), evicting LRU cached blocks as needed.
-        `uncached_first`: take free blocks holding no cached hash before any cached one (a
-        caller that chose its own victims, e.g. by expected value, has evicted them already)."""
+    def allocate(self, num_blocks: int) -> list[CacheBlock]:
+        """Take `num_blocks` blocks (ref_cnt 1 each) from the head of the free queue: blocks that
+        hold nothing first (`free` puts them there), then cached ones in LRU order, evicted."""
         if not self.can_allocate(num_blocks):
             raise PoolExhaustedError(f"group {self.group_id}: {num_blocks} blocks asked, {len(self._free)} free")
         out, evicted = [], []
-        picks: list[int] = []
-        if uncached_first:
-            picks = list(islice((i for i, b in self._free.items() if b.block_hash is None), num_blocks))
-        for n in range(num_blocks):
-            if n < len(picks):
-                block = self._free.pop(picks[n])
-            else:
-                _, block = self._free.popitem(last=False)
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 self._uncache(block)

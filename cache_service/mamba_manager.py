@@ -224,4 +224,4 @@ class MambaManager:
             if victim is None:
                 break
             self._evict(victim)
-        return self.pool.allocate(num, uncached_first=True)
+        return self.pool.allocate(num)  # empty pages first: they sit at the free queue's head
