@@ -2,6 +2,7 @@
 routing by hybrid hits, transfers, replica death, cache-service death and rebuild."""
 
 import threading
+import time
 
 import pytest
 
@@ -58,7 +59,13 @@ def test_replica_killed_under_load_loses_no_request_and_outputs_match(ray_sessio
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         cold = [backend.generate(p, params)[0].token_ids for p in prompts]
         streams = [backend.submit(p, params) for p in prompts]
-        victim = backend.replica_ids[0]
+        # the victim must hold streams, so a stream (not only a health check) finds the death: wait
+        # until every request is placed, then take the replica with the most of them
+        deadline = time.monotonic() + 10  # placing takes milliseconds; a request may finish first
+        while (sum(backend.replicas.get(r).num_inflight for r in backend.replica_ids) < len(prompts)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        victim = max(backend.replica_ids, key=lambda r: backend.replicas.get(r).num_inflight)
         killer = threading.Timer(0.3, kill_replica, args=(backend, victim))
         killer.start()
         outs = [list(s) for s in streams]  # every accepted request completes
