@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from workers.model.ssd import (
     causal_conv1d_ref,
     causal_conv1d_states_ref,
+    chunk_decay,
     conv1d_update_ref,
+    segsum,
     selective_state_steps_ref,
     selective_state_update_ref,
     ssd_chunk_scan_ref,
@@ -130,8 +132,6 @@ def test_chunk_decay_is_exp_of_segment_sums_and_never_overflows():
     equals exp(segsum) where the decay is representable, is exactly 0 above the diagonal, and stays
     finite for a chunk whose decay underflows (a segsum-free difference of two sums near -1e4).
     A decay that forgot the causal mask, or clamped the exponent above zero, fails here."""
-    from workers.model.ssd import chunk_decay, segsum
-
     g = torch.Generator().manual_seed(7)
     Adt = -torch.rand(3, 2, 16, generator=g)  # [H, c, l]: A dt < 0
     got = chunk_decay(torch.cumsum(Adt, dim=-1))

@@ -34,17 +34,6 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
-_CAUSAL: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _causal_mask(l: int, device: torch.device) -> torch.Tensor:
-    """float32 [l, l]: 1 on and below the diagonal, 0 above (cached per size and device)."""
-    key = (l, str(device))
-    if key not in _CAUSAL:
-        _CAUSAL[key] = torch.tril(torch.ones(l, l, dtype=torch.float32, device=device))
-    return _CAUSAL[key]
-
-
 # exp() below this is < 2e-35, nothing next to float32 sums of O(1) terms; CPU exp takes a slow path
 # for arguments under about -87 (10x slower), so the decay's exponent is clamped here
 _EXP_FLOOR = -80.0
@@ -57,7 +46,8 @@ def chunk_decay(A_cumsum: torch.Tensor) -> torch.Tensor:
     over the [l, l] tensor)."""
     l = A_cumsum.shape[-1]
     diff = A_cumsum[..., :, None] - A_cumsum[..., None, :]  # [..., l, l]; <= 0 on and below the diagonal
-    return diff.clamp_(min=_EXP_FLOOR, max=0.0).exp_().mul_(_causal_mask(l, A_cumsum.device))
+    causal = torch.ones(l, l, dtype=diff.dtype, device=diff.device).tril_()  # 1 on and below the diagonal
+    return diff.clamp_(min=_EXP_FLOOR, max=0.0).exp_().mul_(causal)
 
 
 def chunk_local_terms(
