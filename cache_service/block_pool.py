@@ -162,3 +162,5 @@ class BlockPool:
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"stale cached entry for {block!r}"
         assert all(self._free[i] is self.blocks[i] for i in self._free), "free queue holds foreign blocks"
+        cached = [b.block_hash is not None for b in self._free.values()]
+        assert cached == sorted(cached), "an empty free block waits behind a cached one (it must be reused first)"
