@@ -95,3 +95,17 @@ def test_retained_block_ends_at_the_edges():
     # a landing stays at a boundary whose dropping group's block [128, 144) ends exactly at the extent
     coord = HybridCoordinator(make_layout("full:16", "mamba:64", "draft:16"), EagleMode.DROP)
     assert coord.landing(Boundary(128, 144)) == 128 and coord.landing(Boundary(128, 143)) == 64
+
+
+def test_integrity_check_names_an_empty_block_behind_a_cached_one():
+    # the order `free` keeps (empty blocks at the head) is what allocation relies on; a pool whose
+    # queue lost it (here forced by moving the empty block to the tail) fails the check by name
+    pool = BlockPool(4)
+    b1, b2, _ = pool.allocate(3)
+    pool.cache_block(b1, RequestBlockHashes(16, make_tokens(16, 0, 50)).prefix_hash(16))
+    pool.free([b1, b2])
+    pool.check_integrity()
+    pool._free.move_to_end(b2.block_id)
+    message = r"^an empty free block waits behind a cached one \(it must be reused first\)$"
+    with pytest.raises(AssertionError, match=message):
+        pool.check_integrity()
