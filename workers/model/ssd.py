@@ -53,34 +53,41 @@ def chunk_decay(A_cumsum: torch.Tensor) -> torch.Tensor:
 def chunk_local_terms(
     xdt: torch.Tensor, Adt: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1 and 2 of the chunked scan, on tokens laid out in chunks (float32): xdt [c, l, H, P],
-    Adt [H, c, l], B and C [c, l, G, N] (per group: the H/G heads of a group share them). Returns y_diag
-    [c, l, H, P] (each chunk's output from its own tokens: attention-like with a decay mask),
-    chunk_states [c, H, P, N] (each chunk's own contribution to the state at its end) and A_cumsum
-    [H, c, l]."""
-    c, l, H, P = xdt.shape
-    G, N = B.shape[2], B.shape[3]
+    """Steps 1 and 2 of the chunked scan, head-major (float32): xdt [H, c, l, P], Adt [H, c, l], B and C
+    [G, c, l, N] (the H/G heads of a group share them). Head-major keeps every product a plain batched
+    matmul over (head, chunk): no operand is permuted into a copy. Returns y_diag [H, c, l, P] (each
+    chunk's output from its own tokens: attention-like with a decay mask), chunk_states [H, c, P, N]
+    (each chunk's own contribution to the state at its end) and A_cumsum [H, c, l]."""
+    H, c, l, P = xdt.shape
+    G, N = B.shape[0], B.shape[3]
     A_cumsum = torch.cumsum(Adt, dim=-1)  # [H, c, l]
     scores = chunk_decay(A_cumsum)  # [H, c, l, s]
-    CB = torch.einsum("clgn,csgn->gcls", C, B)  # [G, c, l, s]: once per group, not per head
+    CB = torch.matmul(C, B.transpose(-1, -2))  # [G, c, l, s]: once per group, not per head
     scores.view(G, H // G, c, l, l).mul_(CB[:, None])  # [H, c, l, s]
-    y_diag = torch.einsum("hcls,cshp->clhp", scores, xdt)  # [c, l, H, P]
+    y_diag = torch.matmul(scores, xdt)  # [H, c, l, P]
     decay_to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # [H, c, l]
-    xw = (xdt * decay_to_end.permute(1, 2, 0)[..., None]).view(c, l, G, H // G * P)  # [c, l, G, H/G*P]
-    chunk_states = torch.einsum("clgn,clgq->cgqn", B, xw).reshape(c, H, P, N)  # [c, H, P, N]
-    return y_diag, chunk_states, A_cumsum
+    xw = (xdt * decay_to_end[..., None]).view(G, H // G, c, l, P)  # [G, H/G, c, l, P]
+    chunk_states = torch.matmul(xw.transpose(-1, -2), B[:, None])  # [G, H/G, c, P, N]
+    return y_diag, chunk_states.view(H, c, P, N), A_cumsum
 
 
-def chunk_outputs(
+def add_chunk_outputs(
     y_diag: torch.Tensor, C: torch.Tensor, start_states: torch.Tensor, A_cumsum: torch.Tensor
 ) -> torch.Tensor:
-    """Step 4: each chunk's tokens read the state at the chunk's start, decayed to them, on top of
-    y_diag. C [c, l, G, N], start_states [c, H, P, N], A_cumsum [H, c, l] -> [c, l, H, P]."""
-    c, l, H, P = y_diag.shape
-    G, N = C.shape[2], C.shape[3]
-    from_start = torch.einsum("clgn,cgqn->clgq", C, start_states.reshape(c, G, H // G * P, N))  # [c, l, G, H/G*P]
-    decay_from_start = torch.exp(A_cumsum).permute(1, 2, 0)[..., None]  # [c, l, H, 1]
-    return y_diag + from_start.reshape(c, l, H, P) * decay_from_start
+    """Step 4, in place on y_diag: each chunk's tokens read the state at the chunk's start, decayed to
+    them. y_diag [H, c, l, P], C [G, c, l, N], start_states [H, c, P, N], A_cumsum [H, c, l] ->
+    y_diag (= the chunks' outputs)."""
+    H, c, l, P = y_diag.shape
+    G, N = C.shape[0], C.shape[3]
+    from_start = torch.matmul(C[:, None], start_states.view(G, H // G, c, P, N).transpose(-1, -2))  # [G, H/G, c, l, P]
+    return y_diag.addcmul_(from_start.view(H, c, l, P), torch.exp(A_cumsum)[..., None])
+
+
+def head_major_chunks(t: torch.Tensor, rows: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Token-major t [T, K, ...] -> head-major chunks [K, c, chunk_size, ...] in one gather: position j
+    of the layout reads token rows[j], and rows[j] == T reads a zero row (padding)."""
+    padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # [T + 1, K, ...]
+    return padded.transpose(0, 1).index_select(1, rows).view(t.shape[1], -1, chunk_size, *t.shape[2:])
 
 
 def ssd_chunk_scan_ref(
@@ -100,33 +107,28 @@ def ssd_chunk_scan_ref(
     final state [H, P, N] (float32) after the last token.
     """
     L, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    B, C = B.float(), C.float()  # [L, G, N]
+    N = B.shape[2]
     x = x.float()
     dt = dt.float()
-    pad = (-L) % chunk_size
-    xdt = x * dt[..., None]  # [L, H, P]
-    Adt = A.float()[None, :] * dt  # [L, H]
-    # padded tokens have dt = 0: no decay, no input, so they leave the final state alone
-    xdt, Adt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, Adt, B, C))
-    nc = (L + pad) // chunk_size
-    xdt = xdt.view(nc, chunk_size, H, P)  # [c, l, H, P]
-    B = B.view(nc, chunk_size, G, N)  # [c, l, G, N]
-    C = C.view(nc, chunk_size, G, N)  # [c, l, G, N]
-    Adt = Adt.view(nc, chunk_size, H).permute(2, 0, 1)  # [H, c, l]
-    y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)  # 1. and 2.
+    nc = -(-L // chunk_size)
+    # padded tokens read the zero row: dt = 0, no decay and no input, so they leave the final state alone
+    rows = torch.arange(nc * chunk_size, device=x.device).clamp_(max=L)
+    xdt = head_major_chunks(x * dt[..., None], rows, chunk_size)  # [H, c, l, P]
+    Adt = head_major_chunks(A.float()[None, :] * dt, rows, chunk_size)  # [H, c, l]
+    B, C = (head_major_chunks(t.float(), rows, chunk_size) for t in (B, C))  # [G, c, l, N]
+    y, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)  # 1. and 2.
 
     # 3. inter-chunk recurrence: state at the start of every chunk, and the final one
     if initial_state is None:
         initial_state = torch.zeros(H, P, N, dtype=torch.float32, device=x.device)
-    states = torch.cat([initial_state.float()[None], chunk_states], dim=0)  # [c+1, H, P, N]
+    states = torch.cat([initial_state.float()[:, None], chunk_states], dim=1)  # [H, c+1, P, N]
     chunk_decay = torch.exp(segsum(F.pad(A_cumsum[..., -1], (1, 0))))  # [H, c+1, c+1]
-    states = torch.einsum("hzc,chpn->zhpn", chunk_decay, states)  # [c+1, H, P, N]
-    start_states, final_state = states[:-1], states[-1]  # [c, H, P, N], [H, P, N]
+    states = torch.matmul(chunk_decay, states.view(H, nc + 1, P * N)).view(H, nc + 1, P, N)  # [H, c+1, P, N]
+    start_states, final_state = states[:, :-1], states[:, -1]  # [H, c, P, N], [H, P, N]
 
-    y = chunk_outputs(y_diag, C, start_states, A_cumsum).reshape(nc * chunk_size, H, P)[:L]  # 4. [L, H, P]
-    if D is not None:
-        y = y + D.float()[:, None] * x
+    y = add_chunk_outputs(y, C, start_states, A_cumsum)  # 4. [H, c, l, P]
+    y = y.view(H, nc * chunk_size, P)[:, :L].transpose(0, 1)  # [L, H, P] (a view)
+    y = y + D.float()[:, None] * x if D is not None else y.contiguous()
     return y, final_state
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.ssd import bias_activation, chunk_local_terms, chunk_outputs, segsum
+from workers.model.ssd import add_chunk_outputs, bias_activation, chunk_local_terms, head_major_chunks, segsum
 from workers.model.varlen import VarlenSeqs
 
 
@@ -61,41 +61,34 @@ def ssd_varlen_ref(
     x [T, H, P], dt [T, H] (discretised), A [H], B and C [T, G, N], D [H] or None, initial_states
     [n, H, P, N]. Returns y [T, H, P] float32 (includes D * x) and final states [n, H, P, N] float32."""
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    N = B.shape[2]
     n, l = seqs.num_seqs, chunk_size
     layout = seqs.chunk_layout(chunk_size)
-    x = x.float()
-    xdt = x * dt.float()[..., None]  # [T, H, P]
-    Adt = A.float()[None, :] * dt.float()  # [T, H]
-    B, C = B.float(), C.float()  # [T, G, N]
-    # row T of each padded tensor is the zero row padded chunk positions read
-    xdt, Adt, B, C = (
-        torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, layout.chunk_rows) for t in (xdt, Adt, B, C)
-    )
-    nc = layout.chunk_rows.shape[0] // l
-    xdt = xdt.view(nc, l, H, P)  # [c, l, H, P]
-    B = B.view(nc, l, G, N)  # [c, l, G, N]
-    C = C.view(nc, l, G, N)  # [c, l, G, N]
-    Adt = Adt.view(nc, l, H).permute(2, 0, 1)  # [H, c, l]
+    x, dt = x.float(), dt.float()
+    # head-major chunks; layout row T is the zero row padded chunk positions read
+    xdt = head_major_chunks(x * dt[..., None], layout.chunk_rows, l)  # [H, c, l, P]
+    Adt = head_major_chunks(A.float()[None, :] * dt, layout.chunk_rows, l)  # [H, c, l]
+    B, C = (head_major_chunks(t.float(), layout.chunk_rows, l) for t in (B, C))  # [G, c, l, N]
+    nc = xdt.shape[1]
     # 1. intra-chunk (diagonal blocks) and 2. each chunk's contribution to the state at its end
-    y_diag, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)
+    y, chunk_states, A_cumsum = chunk_local_terms(xdt, Adt, B, C)
 
     # 3. inter-chunk recurrence per sequence, over its chunks padded to max_chunks (padded chunks have
     #    no decay and no input, so the last state is the state after the sequence's last token)
     m = layout.max_chunks
-    padded = chunk_states.new_zeros(n * m, H, P, N).index_copy_(0, layout.chunk_slot, chunk_states)
-    chunk_decay_end = A_cumsum[..., -1].new_zeros(H, n * m).index_copy_(1, layout.chunk_slot, A_cumsum[..., -1])
-    chunk_decay_end = chunk_decay_end.view(H, n, m).transpose(0, 1)  # [n, H, m]
-    states = torch.cat([initial_states.float()[:, None], padded.view(n, m, H, P, N)], dim=1)  # [n, m+1, H, P, N]
-    chunk_decay = torch.exp(segsum(F.pad(chunk_decay_end, (1, 0))))  # [n, H, m+1, m+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)  # [n, m+1, H, P, N]
-    final_states = states[:, -1]  # [n, H, P, N]
-    start_states = states[:, :-1].reshape(n * m, H, P, N).index_select(0, layout.chunk_slot)  # [c, H, P, N]
+    padded = chunk_states.new_zeros(H, n * m, P * N).index_copy_(1, layout.chunk_slot, chunk_states.view(H, nc, P * N))
+    chunk_decay_end = A_cumsum.new_zeros(H, n * m).index_copy_(1, layout.chunk_slot, A_cumsum[..., -1])
+    initial = initial_states.float().view(n, H, P * N).transpose(0, 1)[:, :, None]  # [H, n, 1, P*N]
+    states = torch.cat([initial, padded.view(H, n, m, P * N)], dim=2)  # [H, n, m+1, P*N]
+    chunk_decay = torch.exp(segsum(F.pad(chunk_decay_end.view(H, n, m), (1, 0))))  # [H, n, m+1, m+1]
+    states = torch.matmul(chunk_decay, states)  # [H, n, m+1, P*N]
+    final_states = states[:, :, -1].transpose(0, 1).reshape(n, H, P, N)  # [n, H, P, N]
+    start_states = states[:, :, :-1].reshape(H, n * m, P * N).index_select(1, layout.chunk_slot)  # [H, c, P*N]
 
-    # 4. state -> output for each chunk's tokens
-    y = chunk_outputs(y_diag, C, start_states, A_cumsum).reshape(nc * l, H, P).index_select(0, layout.token_pos)
-    if D is not None:
-        y = y + D.float()[:, None] * x
+    # 4. state -> output for each chunk's tokens; back to token-major in one gather and the D term
+    y = add_chunk_outputs(y, C, start_states.view(H, nc, P, N), A_cumsum)  # [H, c, l, P]
+    y = y.view(H, nc * l, P).index_select(1, layout.token_pos).transpose(0, 1)  # [T, H, P] (a view)
+    y = y + D.float()[:, None] * x if D is not None else y.contiguous()
     return y, final_states
 
 
