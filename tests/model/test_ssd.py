@@ -128,7 +128,7 @@ def test_conv_states_equal_token_by_token_updates(b, L, K, seed):
 
 
 def test_chunk_decay_is_exp_of_segment_sums_and_never_overflows():
-    """chunk_decay (differences of the running sum, exponent clamped at -80 for CPU exp's fast path)
+    """chunk_decay (differences of the running sum as base-2 exponents, clamped at -115: no denormals)
     equals exp(segsum) where the decay is representable, is exactly 0 above the diagonal, and stays
     finite for a chunk whose decay underflows (a segsum-free difference of two sums near -1e4).
     A decay that forgot the causal mask, or clamped the exponent above zero, fails here."""

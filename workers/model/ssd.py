@@ -34,9 +34,12 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
-# exp() below this is < 2e-35, nothing next to float32 sums of O(1) terms; CPU exp takes a slow path
-# for arguments under about -87 (10x slower), so the decay's exponent is clamped here
-_EXP_FLOOR = -80.0
+# The decay is exp2 of base-2 exponents: on CPU torch.exp runs ~4.5x slower than torch.exp2 over the
+# [H, c, l, l] tensor (AVX512: 330 vs 72 us for 0.5M floats); the rescaled exponent moves the result by
+# ~|x| * 2^-24 relatively, far inside float32 noise of the sums it feeds. 2^-115 ~ 2e-35 is nothing
+# next to float32 sums of O(1) terms and keeps exp2 out of denormal results (a slow path)
+_LOG2E = 1.4426950408889634
+_EXP2_FLOOR = -115.0
 
 
 def chunk_decay(A_cumsum: torch.Tensor) -> torch.Tensor:
@@ -45,9 +48,10 @@ def chunk_decay(A_cumsum: torch.Tensor) -> torch.Tensor:
     running sum, as mamba_ssm's kernels take them (segsum's exact segment sums cost a strided cumsum
     over the [l, l] tensor)."""
     l = A_cumsum.shape[-1]
-    diff = A_cumsum[..., :, None] - A_cumsum[..., None, :]  # [..., l, l]; <= 0 on and below the diagonal
+    a2 = A_cumsum * _LOG2E  # [..., l]: base-2 exponents
+    diff = a2[..., :, None] - a2[..., None, :]  # [..., l, l]; <= 0 on and below the diagonal
     causal = torch.ones(l, l, dtype=diff.dtype, device=diff.device).tril_()  # 1 on and below the diagonal
-    return diff.clamp_(min=_EXP_FLOOR, max=0.0).exp_().mul_(causal)
+    return diff.clamp_(min=_EXP2_FLOOR, max=0.0).exp2_().mul_(causal)
 
 
 def chunk_local_terms(
