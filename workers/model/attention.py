@@ -23,6 +23,7 @@ from torch import nn
 from workers.model.config import HybridModelConfig
 from workers.model.kernels import KernelSet
 from workers.model.paged_plan import PagedPlan
+from workers.model.rows import copy_rows_
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
@@ -70,7 +71,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks * block_size, Hkv, hd]
-        k_flat.index_copy_(0, plan.write_slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, plan.write_slots, v.to(v_flat.dtype))
+        copy_rows_(k_flat, plan.write_slots, k)
+        copy_rows_(v_flat, plan.write_slots, v)
         out = self.kernels.attention(q, k_flat, v_flat, plan, self.scale)  # [T, H, hd]
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from workers.model.errors import ForwardBatchError
+from workers.model.rows import Index, as_index
 
 
 @dataclass(frozen=True)
@@ -41,28 +42,6 @@ class SeqChunk:
     @property
     def num_total_tokens(self) -> int:
         return self.num_context_tokens + self.num_new_tokens
-
-
-Index = slice | torch.Tensor  # a slice where the ids are consecutive (a view, no gather), else int64 ids
-
-
-def as_index(ids: list[int]) -> Index:
-    if ids == list(range(ids[0], ids[0] + len(ids))):
-        return slice(ids[0], ids[0] + len(ids))
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def take(t: torch.Tensor, index: Index) -> torch.Tensor:
-    """t[index] along dim 0 (index_select for ids: a much faster gather than advanced indexing on CPU)."""
-    return t[index] if isinstance(index, slice) else t.index_select(0, index)
-
-
-def put(t: torch.Tensor, index: Index, src: torch.Tensor) -> None:
-    """t[index] = src along dim 0, in place."""
-    if isinstance(index, slice):
-        t[index] = src
-    else:
-        t.index_copy_(0, index, src.to(t.dtype))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from workers.model.errors import KernelUnavailableError
 from workers.model.paged_plan import PagedPlan
+from workers.model.rows import copy_rows_
 from workers.model.ssd import bias_activation
 from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
 from workers.model.varlen import VarlenSeqs
@@ -73,7 +74,7 @@ def paged_attention_ref(
         o = o.reshape(b * n_max, *q.shape[1:])  # [b * n_max, H, hd]
         if g.valid_pos is not None:  # padded query rows: drop them
             o = o.index_select(0, g.valid_pos)
-        out.index_copy_(0, g.out_rows, o)
+        copy_rows_(out, g.out_rows, o)
     return out
 
 
@@ -86,7 +87,7 @@ def conv1d_update_torch(x, conv_pool, slots, weight, bias, activation="silu"):
     y = (state.to(weight.dtype) * weight[:, : K - 1]).sum(-1)  # [B, C_]
     y.addcmul_(x.to(weight.dtype), weight[:, K - 1])
     y = bias_activation(y, bias, activation)
-    conv_pool.index_copy_(0, slots, torch.cat([state[:, :, 1:], x[:, :, None].to(conv_pool.dtype)], dim=2))
+    copy_rows_(conv_pool, slots, torch.cat([state[:, :, 1:], x[:, :, None].to(conv_pool.dtype)], dim=2))
     return y.to(x.dtype)
 
 
@@ -101,7 +102,7 @@ def state_update_torch(ssm_pool, slots, x, dt, A, B, C, D=None):
     state.mul_(torch.exp(dt * A.float())[..., None, None])
     grouped = state.view(Bsz, G, H // G * P, N)  # heads of a group share B and C
     grouped.addcmul_((x.float() * dt[..., None]).view(Bsz, G, H // G * P, 1), B.float()[:, :, None, :])
-    ssm_pool.index_copy_(0, slots, state.to(ssm_pool.dtype))
+    copy_rows_(ssm_pool, slots, state)
     y = (grouped * C.float()[:, :, None, :]).sum(-1).view(Bsz, H, P)  # [B, H, P]
     if D is not None:
         y = y + D.float()[:, None] * x.float()

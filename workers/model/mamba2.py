@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
-from workers.model.forward_batch import Index, VerifyGroup, put, take
+from workers.model.forward_batch import VerifyGroup
 from workers.model.kernels import KernelSet
 from workers.model.mamba_plan import MambaPlan, PrefillPlan
 from workers.model.norms import GatedRMSNorm
+from workers.model.rows import Index, copy_rows_, put, take
 from workers.model.ssd import causal_conv1d_states_ref, selective_state_steps_ref
 
 
@@ -37,7 +38,7 @@ def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
     if isinstance(index, slice):
         pool[index].view(src.shape).copy_(src)
     else:
-        pool.index_copy_(0, index, src.reshape(-1, *pool.shape[1:]).to(pool.dtype))
+        copy_rows_(pool, index, src)
 
 
 class Mamba2Mixer(nn.Module):
@@ -150,14 +151,14 @@ class Mamba2Mixer(nn.Module):
         keep = p.has_state[:, None, None]  # [n, 1, 1]; where(), not a product: a fresh slot may hold NaN
         conv0 = torch.where(keep, conv_pool.index_select(0, p.slots), 0)  # [n, conv_dim, d_conv-1]
         xbc, conv_final = self.kernels.conv1d(take(xbc_raw, p.rows), conv0, weight, self.conv1d.bias, p.seqs, "silu")
-        conv_pool.index_copy_(0, p.slots, conv_final.to(conv_pool.dtype))  # [n, conv_dim, d_conv-1]
+        copy_rows_(conv_pool, p.slots, conv_final)  # [n, conv_dim, d_conv-1]
         x, B, C = self._split_xbc(xbc)  # [T_p, H, P], [T_p, G, N], [T_p, G, N]
         h0 = torch.where(keep[..., None], ssm_pool.index_select(0, p.slots).float(), 0)  # [n, H, P, N]
         y_p, final = self.kernels.ssd_scan(
             x, take(dt, p.rows), A, B, C, self.chunk_size, self.D, p.seqs, h0, p.with_state
         )  # [T_p, H, P], [n, H, P, N]
         put(y, p.rows, y_p)
-        ssm_pool.index_copy_(0, p.slots, final.to(ssm_pool.dtype))
+        copy_rows_(ssm_pool, p.slots, final)
 
     def forward(
         self, hidden: torch.Tensor, plan: MambaPlan, conv_pool: torch.Tensor, ssm_pool: torch.Tensor

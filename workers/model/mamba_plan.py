@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.model.forward_batch import ForwardBatch, Index, VerifyGroup, as_index
+from workers.model.forward_batch import ForwardBatch, VerifyGroup
+from workers.model.rows import Index, as_index
 from workers.model.varlen import VarlenSeqs
 
 
