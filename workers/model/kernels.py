@@ -79,15 +79,19 @@ def paged_attention_ref(
 
 
 def conv1d_update_torch(x, conv_pool, slots, weight, bias, activation="silu"):
-    """conv1d_update_ref without materialising the [B, C_, K] window (a cat and a strided reduction over
-    it): the state's K-1 taps as one product-sum, the new input's tap added on top, and the shifted state
-    written back as one contiguous copy. Equal to the reference up to float reassociation."""
+    """conv1d_update_ref without materialising the [B, C_, K] window: one multiply-add per tap over
+    [B, C_] (a product-sum over the size K-1 last dim is a slow strided reduction on CPU), and the shifted
+    state written back as one scatter. Equal to the reference up to float reassociation."""
     K = weight.shape[1]
     state = conv_pool.index_select(0, slots)  # [B, C_, K-1]: a copy
-    y = (state.to(weight.dtype) * weight[:, : K - 1]).sum(-1)  # [B, C_]
-    y.addcmul_(x.to(weight.dtype), weight[:, K - 1])
+    y = x.to(weight.dtype) * weight[:, K - 1]  # [B, C_]
+    for k in range(K - 1):
+        y.addcmul_(state[:, :, k], weight[:, k])
     y = bias_activation(y, bias, activation)
-    copy_rows_(conv_pool, slots, torch.cat([state[:, :, 1:], x[:, :, None].to(conv_pool.dtype)], dim=2))
+    shifted = torch.empty_like(state)  # [B, C_, K-1]: the state after x
+    shifted[:, :, : K - 2] = state[:, :, 1:]
+    shifted[:, :, K - 2] = x
+    copy_rows_(conv_pool, slots, shifted)
     return y.to(x.dtype)
 
 
