@@ -38,7 +38,7 @@ def _write(pool: torch.Tensor, index: Index, src: torch.Tensor) -> None:
     if isinstance(index, slice):
         pool[index].view(src.shape).copy_(src)
     else:
-        copy_rows_(pool, index, src)
+        copy_rows_(pool, index, src.reshape(-1, *pool.shape[1:]))
 
 
 class Mamba2Mixer(nn.Module):

@@ -22,6 +22,11 @@ def as_index(ids: list[int]) -> Index:
     return torch.tensor(ids, dtype=torch.long)
 
 
+# Below this many bytes a scatter is cheap either way and the three views of the word path cost more than
+# they save (a 1-row scatter: 1.5 us as elements, ~10 us through the views)
+_MIN_WORD_BYTES = 128 * 1024
+
+
 def _as_words(t: torch.Tensor) -> torch.Tensor | None:
     """t [n, ...] contiguous -> [n, row_bytes / 16] complex128 view of the same memory, or None when the
     rows' bytes or alignment do not allow it (then the caller copies element by element)."""
@@ -32,9 +37,10 @@ def _as_words(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst.index_copy_(0, index, src) (src cast to dst's dtype); bit-identical, faster on CPU for wide rows."""
-    src = src.to(dst.dtype).reshape(-1, *dst.shape[1:])
-    if dst.device.type == "cpu" and src.shape[0]:
+    """dst.index_copy_(0, index, src), src [n, *dst.shape[1:]] cast to dst's dtype; bit-identical, and
+    faster on CPU for scatters of at least _MIN_WORD_BYTES."""
+    src = src.to(dst.dtype)
+    if dst.device.type == "cpu" and src.numel() * src.element_size() >= _MIN_WORD_BYTES:
         words, src_words = _as_words(dst), _as_words(src.contiguous())
         if words is not None and src_words is not None:
             words.index_copy_(0, index, src_words)
