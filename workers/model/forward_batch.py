@@ -126,6 +126,51 @@ class ForwardBatch:
             raise ForwardBatchError(f"chunks hold {total} new tokens but input_ids has {self.num_tokens}")
         if not 0 <= self.num_prompt_tokens <= total:
             raise ForwardBatchError(f"num_prompt_tokens={self.num_prompt_tokens} outside [0, {total}]")
+        if not self._chunks_look_valid(block_size, num_blocks, num_state_slots):
+            self._raise_for_invalid_chunk(block_size, num_blocks, num_state_slots)
+            raise ForwardBatchError("inconsistent chunks")  # the two checks disagree: never pass silently
+
+    @cached_property
+    def block_tables(self) -> torch.Tensor:
+        """int64 [n, max table length]: every chunk's block_table, zero-padded (computed once per batch, for
+        validation and the attention plan). Only a chunk's first ceil(total / block_size) entries are read."""
+        return torch.nn.utils.rnn.pad_sequence([c.block_table for c in self.chunks], batch_first=True)
+
+    def _chunks_look_valid(self, block_size: int | None, num_blocks: int | None, num_state_slots: int | None) -> bool:
+        """The per-chunk checks of _raise_for_invalid_chunk over the whole batch at once (a step of 32
+        decodes must not pay a Python loop of tensor slices for them): True iff that would not raise."""
+        chunks = self.chunks
+        if min(c.num_new_tokens for c in chunks) < 1 or min(c.num_context_tokens for c in chunks) < 0:
+            return False
+        if block_size is not None:
+            if any(c.block_table.dim() != 1 for c in chunks):
+                return False
+            need = [-(-(c.num_context_tokens + c.num_new_tokens) // block_size) for c in chunks]
+            lengths = [c.block_table.shape[0] for c in chunks]
+            if any(length < k for length, k in zip(lengths, need)):
+                return False
+            if num_blocks is not None:
+                tables = self.block_tables  # zero padding is a valid id: it cannot fail the range check
+                if lengths != need:  # tables longer than needed: only their used entries must be in range
+                    used = torch.arange(tables.shape[1])[None] < torch.tensor(need)[:, None]  # [n, max length]
+                    tables = tables.masked_select(used)
+                lo, hi = torch.aminmax(tables)
+                if int(lo) < 0 or int(hi) >= num_blocks:
+                    return False
+        if num_state_slots is not None:
+            slots = [c.state_slot for c in chunks]
+            if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= num_state_slots:
+                return False
+            for c in chunks:
+                per_token = c.per_token_state_slots
+                if per_token is not None and (len(per_token) != c.num_new_tokens or min(per_token) < 0
+                                              or max(per_token) >= num_state_slots):
+                    return False
+        return True
+
+    def _raise_for_invalid_chunk(self, block_size: int | None, num_blocks: int | None,
+                                 num_state_slots: int | None) -> None:
+        """Chunk by chunk: raise ForwardBatchError naming the first inconsistent chunk."""
         seen_slots: set[int] = set()
         used_tables: list[torch.Tensor] = []
         for i, c in enumerate(self.chunks):

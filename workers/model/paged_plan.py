@@ -46,12 +46,9 @@ class PagedPlan:
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
         chunks = batch.chunks
         num_new = tuple(c.num_new_tokens for c in chunks)
-        num_total = tuple(c.num_total_tokens for c in chunks)
+        num_total = tuple(c.num_context_tokens + c.num_new_tokens for c in chunks)
         s_max = max(num_total)
-        need = [-(-s // block_size) for s in num_total]
-        tables = torch.nn.utils.rnn.pad_sequence(
-            [c.block_table[:k].to("cpu", torch.long) for c, k in zip(chunks, need)], batch_first=True
-        )  # [n, max blocks]
+        tables = batch.block_tables.to("cpu", torch.long)  # [n, max blocks]; entries past a chunk's need are masked
         pos = torch.arange(s_max)  # [S_max]
         read = tables[:, pos // block_size] * block_size + pos % block_size  # [n, S_max]
         read = read.masked_fill(pos[None] >= torch.tensor(num_total)[:, None], 0)
