@@ -26,6 +26,7 @@ from cache_service.local_cache import PoolLookup
 from cache_service.mamba_manager import MambaManager
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, DraftAttentionSpec, FullAttentionSpec, MambaSpec
+from workers.engine.block_tables import BlockTables
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
 
@@ -80,6 +81,8 @@ class EngineCacheManager:
         (self.full,) = self.groups.of_kind("full")
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None
+        self.block_tables = BlockTables(self.full)
+        self.draft_tables = BlockTables(self.draft) if speculative else None
         self.lookup_view = PoolLookup(self.pools)
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
@@ -159,10 +162,12 @@ class EngineCacheManager:
         self.groups.grow(req.request_id, self.positions_for(req, num_new_tokens), decoding)
 
     def block_table(self, req: Request) -> torch.Tensor:
-        return torch.tensor(self.full.block_ids(req.request_id), dtype=torch.long)
+        """int64 [num_blocks] target KV block ids (reused across steps while unchanged: read-only)."""
+        return self.block_tables.table(req.request_id)
 
     def draft_table(self, req: Request) -> torch.Tensor:
-        return torch.tensor(self.draft.block_ids(req.request_id), dtype=torch.long)
+        """int64 [num_blocks] draft KV block ids (reused across steps while unchanged: read-only)."""
+        return self.draft_tables.table(req.request_id)
 
     def state_page(self, req: Request) -> int:
         return self.mamba.working_page(req.request_id)
@@ -171,13 +176,20 @@ class EngineCacheManager:
         return self.mamba.verify_pages(req.request_id, num)
 
     # ---- publication ----------------------------------------------------------------------
-    def record_hidden(self, req: Request, start: int, hidden: torch.Tensor) -> None:
-        """Keep the sidecar rows of blocks whose last position lies in [start, start + len)."""
+    def record_hidden(self, req: Request, start: int, hidden: torch.Tensor, first_row: int = 0,
+                      num_rows: int | None = None) -> None:
+        """Keep the sidecar rows of blocks whose last position lies in [start, start + num_rows);
+        position start + j's hidden state is hidden[first_row + j] (num_rows: all rows from first_row)."""
         size = self.block_size
-        blocks = self.full.req_to_blocks[req.request_id]
+        if num_rows is None:
+            num_rows = hidden.shape[0] - first_row
         first = -(-(start + 1) // size)  # first block end >= start + 1
-        for end in range(first * size, start + hidden.shape[0] + 1, size):
-            self.sidecar[blocks[end // size - 1].block_id] = hidden[end - 1 - start]
+        ends = range(first * size, start + num_rows + 1, size)
+        if not ends:  # most decode steps complete no block
+            return
+        blocks = self.full.req_to_blocks[req.request_id]
+        for end in ends:
+            self.sidecar[blocks[end // size - 1].block_id] = hidden[first_row + end - 1 - start]
 
     def publish(self, req: Request) -> None:
         """Publish every newly completed block of every group under its prefix hash."""
@@ -212,6 +224,9 @@ class EngineCacheManager:
     def release(self, req: Request) -> None:
         """Return all of a request's blocks; cached ones stay cached (LRU, tail first)."""
         self.groups.free(req.request_id)
+        self.block_tables.drop(req.request_id)
+        if self.draft_tables is not None:
+            self.draft_tables.drop(req.request_id)
 
     def holds(self, req: Request) -> bool:
         return self.mamba.holds(req.request_id)
