@@ -82,8 +82,12 @@ class EngineCacheManager:
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None
         self.block_tables = BlockTables(self.full)
+        # positions each running request's pages cover, decode pages included (taken at its first
+        # decode): a step within them takes nothing, so can_grow / grow return at once
+        self._covered: dict[str, int] = {}
         self.draft_tables = BlockTables(self.draft) if speculative else None
         self.lookup_view = PoolLookup(self.pools)
+        self._is_draft = tuple(spec.kind == "draft" for spec in self.layout.groups)
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
 
@@ -136,6 +140,7 @@ class EngineCacheManager:
         if not self.groups.can_admit(rid, req.hashes, length, positions, spare_pages=1):  # +1: a snapshot
             return False
         self.groups.admit(rid, req.hashes, length, positions)
+        self._covered.pop(rid, None)
         req.num_restored_tokens = req.num_computed_tokens = length
         if not req.num_preemptions:
             req.num_cached_tokens = length
@@ -156,10 +161,19 @@ class EngineCacheManager:
 
     # ---- growth ---------------------------------------------------------------------------
     def can_grow(self, req: Request, num_new_tokens: int, decoding: bool) -> bool:
-        return self.groups.can_grow(req.request_id, self.positions_for(req, num_new_tokens), decoding)
+        positions = self.positions_for(req, num_new_tokens)
+        if positions <= self._covered.get(req.request_id, 0):
+            return True
+        return self.groups.can_grow(req.request_id, positions, decoding)
 
     def grow(self, req: Request, num_new_tokens: int, decoding: bool) -> None:
-        self.groups.grow(req.request_id, self.positions_for(req, num_new_tokens), decoding)
+        rid, positions = req.request_id, self.positions_for(req, num_new_tokens)
+        if positions <= self._covered.get(rid, 0):
+            return
+        self.groups.grow(rid, positions, decoding)
+        # counted as a decode would (a prefill's cover is 0 until its decode pages are taken), so a
+        # cover read from here is valid for both kinds of step
+        self._covered[rid] = self.groups.num_covered_positions(rid, decoding=True)
 
     def block_table(self, req: Request) -> torch.Tensor:
         """int64 [num_blocks] target KV block ids (reused across steps while unchanged: read-only)."""
@@ -195,8 +209,7 @@ class EngineCacheManager:
         """Publish every newly completed block of every group under its prefix hash."""
         if not self.config.enable_prefix_caching:
             return
-        computed = [req.num_draft_computed_tokens if spec.kind == "draft" else req.num_computed_tokens
-                    for spec in self.layout.groups]
+        computed = [req.num_draft_computed_tokens if draft else req.num_computed_tokens for draft in self._is_draft]
         self.groups.publish(req.request_id, req.hashes, computed, req.checkpoints)
 
     def snapshot(self, req: Request, page: int, position: int) -> bool:
@@ -224,6 +237,7 @@ class EngineCacheManager:
     def release(self, req: Request) -> None:
         """Return all of a request's blocks; cached ones stay cached (LRU, tail first)."""
         self.groups.free(req.request_id)
+        self._covered.pop(req.request_id, None)
         self.block_tables.drop(req.request_id)
         if self.draft_tables is not None:
             self.draft_tables.drop(req.request_id)

@@ -252,6 +252,8 @@ class LLMEngine:
         """Keep the Mamba states at the last two alignment boundaries passed while decoding
         (the final boundary F and F - A), for the next chat turn."""
         step = self.cache.alignment
+        if (start + count) // step == start // step:  # no boundary in (start, start + count]
+            return
         for pos in range(start + 1, start + count + 1):
             if pos % step:
                 continue
