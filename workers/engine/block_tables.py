@@ -42,3 +42,11 @@ class BlockTables:
 
     def __len__(self) -> int:
         return len(self._tables)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if a tensor that `table` would return differs from the block ids,
+        or one outlives its request's blocks (used by tests after each step)."""
+        for request_id, (blocks, num_blocks, table) in self._tables.items():
+            assert request_id in self.manager.req_to_blocks, f"block table of released {request_id!r} kept"
+            if self.manager.req_to_blocks[request_id] is blocks and len(blocks) == num_blocks:
+                assert table.tolist() == self.manager.block_ids(request_id), f"stale block table of {request_id!r}"

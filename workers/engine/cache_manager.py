@@ -253,5 +253,13 @@ class EngineCacheManager:
                 "num_checkpoint_evictions": m.num_evictions, "num_snapshots_skipped": m.num_snapshots_skipped}
 
     def check_integrity(self) -> None:
+        """Raise AssertionError if a pool invariant is broken, a request's remembered cover
+        exceeds what its pages cover now, or a kept block table is stale (tests, after each step)."""
         for pool in self.pools:
             pool.check_integrity()
+        for rid, covered in self._covered.items():
+            assert self.mamba.holds(rid), f"cover of released {rid!r} kept"
+            assert covered <= self.groups.num_covered_positions(rid, decoding=True), f"cover of {rid!r} overstated"
+        for tables in (self.block_tables, self.draft_tables):
+            if tables is not None:
+                tables.check_integrity()
