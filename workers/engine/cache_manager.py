@@ -87,13 +87,15 @@ class EngineCacheManager:
         self._covered: dict[str, int] = {}
         self.draft_tables = BlockTables(self.draft) if speculative else None
         self.lookup_view = PoolLookup(self.pools)
-        self._is_draft = tuple(spec.kind == "draft" for spec in self.layout.groups)
+        # (manager, whether its content runs to num_draft_computed_tokens) per group, for `publish`
+        self._publishers = tuple((m, m.spec.kind == "draft") for m in self.groups.managers)
+        self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
 
     @property
     def alignment(self) -> int:
-        return self.layout.alignment
+        return self._alignment
 
     @property
     def block_size(self) -> int:
@@ -209,8 +211,10 @@ class EngineCacheManager:
         """Publish every newly completed block of every group under its prefix hash."""
         if not self.config.enable_prefix_caching:
             return
-        computed = [req.num_draft_computed_tokens if draft else req.num_computed_tokens for draft in self._is_draft]
-        self.groups.publish(req.request_id, req.hashes, computed, req.checkpoints)
+        rid, hashes, checkpoints = req.request_id, req.hashes, req.checkpoints
+        for manager, draft in self._publishers:  # GroupManagers.publish, one call per group, inlined
+            manager.publish(rid, hashes, req.num_draft_computed_tokens if draft else req.num_computed_tokens,
+                            checkpoints)
 
     def snapshot(self, req: Request, page: int, position: int) -> bool:
         """Retain the Mamba state in `page` (the state after `position` tokens) as a checkpoint."""
