@@ -82,10 +82,10 @@ class EngineCacheManager:
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None
         self.block_tables = BlockTables(self.full)
+        self.draft_tables = BlockTables(self.draft) if speculative else None
         # positions each running request's pages cover, decode pages included (taken at its first
         # decode): a step within them takes nothing, so can_grow / grow return at once
         self._covered: dict[str, int] = {}
-        self.draft_tables = BlockTables(self.draft) if speculative else None
         self.lookup_view = PoolLookup(self.pools)
         # (manager, whether its content runs to num_draft_computed_tokens) per group, for `publish`
         self._publishers = tuple((m, m.spec.kind == "draft") for m in self.groups.managers)

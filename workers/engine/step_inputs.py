@@ -39,14 +39,21 @@ class StepLogits:
     `rows`: [num_rows, vocab] float32 (None when no chunk samples); chunk i's rows are
     `rows[spans[i][0] : spans[i][1]]` (span None: the chunk samples nothing). `argmax`: the index of
     each row's first maximum (torch.argmax's tie rule, as `Sampler.sample` uses), read back with one
-    `.tolist()` for the whole step: greedy requests without logit shaping and verify chunks take
-    their tokens from it instead of one argmax and one device read per request."""
+    `.tolist()` for the whole step at its first use: greedy requests without logit shaping and verify
+    chunks take their tokens from it instead of one argmax and one device read per request."""
 
-    __slots__ = ("rows", "spans", "argmax")
+    __slots__ = ("rows", "spans", "_argmax")
 
     def __init__(self, rows: torch.Tensor | None, spans: list[tuple[int, int] | None]) -> None:
         self.rows, self.spans = rows, spans
-        self.argmax: list[int] = [] if rows is None else torch.argmax(rows, dim=-1).tolist()
+        self._argmax: list[int] | None = None
+
+    @property
+    def argmax(self) -> list[int]:
+        """Every row's argmax, computed at the first read (a step of sampled requests only needs none)."""
+        if self._argmax is None:
+            self._argmax = [] if self.rows is None else torch.argmax(self.rows, dim=-1).tolist()
+        return self._argmax
 
     def of(self, i: int) -> torch.Tensor:
         """Chunk i's rows, [num_sampling_rows, vocab] (a view)."""
