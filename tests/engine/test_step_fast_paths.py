@@ -131,3 +131,19 @@ def test_kept_block_tables_and_covers_follow_growth_preemption_and_release(tiny_
     assert num_reused > 2 * num_rebuilt > 0  # kept across steps, rebuilt when the blocks changed
     assert len(cache.block_tables) == 0 and not cache._covered
     assert k == 0 or len(cache.draft_tables) == 0
+
+
+def test_the_model_eos_stops_a_request_unless_it_ignores_eos(tiny_model):
+    """Stop ids come from the request's sampler: its stop_token_ids plus the model's EOS ids,
+    which `ignore_eos` leaves out."""
+    engine = make_engine(tiny_model, num_spec_tokens=0)
+    prompt = make_prompt(30, 9)
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    eos = free.token_ids[5]
+    first = free.token_ids.index(eos)
+    engine.eos_token_ids = (eos,)  # as if config.json named it
+    (heeds,) = engine.generate([prompt], SamplingParams(max_tokens=12))
+    (ignores,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert (heeds.token_ids, heeds.finish_reason) == (free.token_ids[: first + 1], "stop")
+    assert (ignores.token_ids, ignores.finish_reason) == (free.token_ids, "length")
+    assert Sampler(SamplingParams(stop_token_ids=(7,)), eos_token_ids=(2, 3)).stop_token_ids == {2, 3, 7}
