@@ -75,6 +75,10 @@ class RequestBlockHashes:
             return 0
         size = self.hash_block_size
         pending = self._pending
+        if len(pending) + len(tokens) < size:  # no block completes (most decode steps): nothing to hash
+            pending.extend(tokens)
+            self.num_tokens += len(tokens)
+            return 0
         if pending:
             need = size - len(pending)
             pending.extend(tokens[:need])

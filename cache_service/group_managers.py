@@ -125,9 +125,11 @@ class AttentionManager:
                 checkpoints: Sequence[int] = ()) -> int:
         """Publish every newly completed block under its prefix hash; returns how many became
         cached (a block whose prefix another block already holds stays private: first copy wins)."""
-        size, blocks = self.block_size, self.req_to_blocks[request_id]
+        size, done = self.block_size, self.num_published[request_id]
+        if num_computed // size <= done:  # no block completed since the last call (most decode steps)
+            return 0
+        blocks = self.req_to_blocks[request_id]
         upto = min(num_computed, len(hashes.hashes) * hashes.hash_block_size, len(blocks) * size) // size
-        done = self.num_published[request_id]
         if upto <= done:
             return 0
         num_new = sum(map(self.pool.cache_block, blocks[done:upto], self._block_keys(hashes, done, upto)))
@@ -271,6 +273,18 @@ class GroupManagers:
     def grow(self, request_id: str, num_positions: int, decoding: bool = False) -> None:
         for m in self.managers:
             m.grow(request_id, num_positions, decoding)
+
+    def num_covered_positions(self, request_id: str, decoding: bool = False) -> int:
+        """The most positions the request can grow to without taking a page in any group:
+        an attention group's blocks cover `len(blocks) * block_size` positions; the other kinds
+        (Mamba: pages per request, not per position) cover any length when they need nothing now."""
+        covered = []
+        for m in self.managers:
+            if isinstance(m, AttentionManager):
+                covered.append(len(m.req_to_blocks[request_id]) * m.block_size)
+            elif m.num_blocks_needed(request_id, 0, decoding):
+                return 0
+        return min(covered)
 
     def publish(self, request_id: str, hashes: RequestBlockHashes, num_computed: Sequence[int],
                 checkpoints: Sequence[int] = ()) -> list[int]:

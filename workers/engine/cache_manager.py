@@ -26,6 +26,7 @@ from cache_service.local_cache import PoolLookup
 from cache_service.mamba_manager import MambaManager
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, DraftAttentionSpec, FullAttentionSpec, MambaSpec
+from workers.engine.block_tables import BlockTables
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
 
@@ -80,13 +81,21 @@ class EngineCacheManager:
         (self.full,) = self.groups.of_kind("full")
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None
+        self.block_tables = BlockTables(self.full)
+        self.draft_tables = BlockTables(self.draft) if speculative else None
+        # positions each running request's pages cover, decode pages included (taken at its first
+        # decode): a step within them takes nothing, so can_grow / grow return at once
+        self._covered: dict[str, int] = {}
         self.lookup_view = PoolLookup(self.pools)
+        # (manager, whether its content runs to num_draft_computed_tokens) per group, for `publish`
+        self._publishers = tuple((m, m.spec.kind == "draft") for m in self.groups.managers)
+        self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
 
     @property
     def alignment(self) -> int:
-        return self.layout.alignment
+        return self._alignment
 
     @property
     def block_size(self) -> int:
@@ -133,6 +142,7 @@ class EngineCacheManager:
         if not self.groups.can_admit(rid, req.hashes, length, positions, spare_pages=1):  # +1: a snapshot
             return False
         self.groups.admit(rid, req.hashes, length, positions)
+        self._covered.pop(rid, None)
         req.num_restored_tokens = req.num_computed_tokens = length
         if not req.num_preemptions:
             req.num_cached_tokens = length
@@ -153,16 +163,27 @@ class EngineCacheManager:
 
     # ---- growth ---------------------------------------------------------------------------
     def can_grow(self, req: Request, num_new_tokens: int, decoding: bool) -> bool:
-        return self.groups.can_grow(req.request_id, self.positions_for(req, num_new_tokens), decoding)
+        positions = self.positions_for(req, num_new_tokens)
+        if positions <= self._covered.get(req.request_id, 0):
+            return True
+        return self.groups.can_grow(req.request_id, positions, decoding)
 
     def grow(self, req: Request, num_new_tokens: int, decoding: bool) -> None:
-        self.groups.grow(req.request_id, self.positions_for(req, num_new_tokens), decoding)
+        rid, positions = req.request_id, self.positions_for(req, num_new_tokens)
+        if positions <= self._covered.get(rid, 0):
+            return
+        self.groups.grow(rid, positions, decoding)
+        # counted as a decode would (a prefill's cover is 0 until its decode pages are taken), so a
+        # cover read from here is valid for both kinds of step
+        self._covered[rid] = self.groups.num_covered_positions(rid, decoding=True)
 
     def block_table(self, req: Request) -> torch.Tensor:
-        return torch.tensor(self.full.block_ids(req.request_id), dtype=torch.long)
+        """int64 [num_blocks] target KV block ids (reused across steps while unchanged: read-only)."""
+        return self.block_tables.table(req.request_id)
 
     def draft_table(self, req: Request) -> torch.Tensor:
-        return torch.tensor(self.draft.block_ids(req.request_id), dtype=torch.long)
+        """int64 [num_blocks] draft KV block ids (reused across steps while unchanged: read-only)."""
+        return self.draft_tables.table(req.request_id)
 
     def state_page(self, req: Request) -> int:
         return self.mamba.working_page(req.request_id)
@@ -171,21 +192,29 @@ class EngineCacheManager:
         return self.mamba.verify_pages(req.request_id, num)
 
     # ---- publication ----------------------------------------------------------------------
-    def record_hidden(self, req: Request, start: int, hidden: torch.Tensor) -> None:
-        """Keep the sidecar rows of blocks whose last position lies in [start, start + len)."""
+    def record_hidden(self, req: Request, start: int, hidden: torch.Tensor, first_row: int = 0,
+                      num_rows: int | None = None) -> None:
+        """Keep the sidecar rows of blocks whose last position lies in [start, start + num_rows);
+        position start + j's hidden state is hidden[first_row + j] (num_rows: all rows from first_row)."""
         size = self.block_size
-        blocks = self.full.req_to_blocks[req.request_id]
+        if num_rows is None:
+            num_rows = hidden.shape[0] - first_row
         first = -(-(start + 1) // size)  # first block end >= start + 1
-        for end in range(first * size, start + hidden.shape[0] + 1, size):
-            self.sidecar[blocks[end // size - 1].block_id] = hidden[end - 1 - start]
+        ends = range(first * size, start + num_rows + 1, size)
+        if not ends:  # most decode steps complete no block
+            return
+        blocks = self.full.req_to_blocks[req.request_id]
+        for end in ends:
+            self.sidecar[blocks[end // size - 1].block_id] = hidden[first_row + end - 1 - start]
 
     def publish(self, req: Request) -> None:
         """Publish every newly completed block of every group under its prefix hash."""
         if not self.config.enable_prefix_caching:
             return
-        computed = [req.num_draft_computed_tokens if spec.kind == "draft" else req.num_computed_tokens
-                    for spec in self.layout.groups]
-        self.groups.publish(req.request_id, req.hashes, computed, req.checkpoints)
+        rid, hashes, checkpoints = req.request_id, req.hashes, req.checkpoints
+        for manager, draft in self._publishers:  # GroupManagers.publish, one call per group, inlined
+            manager.publish(rid, hashes, req.num_draft_computed_tokens if draft else req.num_computed_tokens,
+                            checkpoints)
 
     def snapshot(self, req: Request, page: int, position: int) -> bool:
         """Retain the Mamba state in `page` (the state after `position` tokens) as a checkpoint."""
@@ -212,6 +241,10 @@ class EngineCacheManager:
     def release(self, req: Request) -> None:
         """Return all of a request's blocks; cached ones stay cached (LRU, tail first)."""
         self.groups.free(req.request_id)
+        self._covered.pop(req.request_id, None)
+        self.block_tables.drop(req.request_id)
+        if self.draft_tables is not None:
+            self.draft_tables.drop(req.request_id)
 
     def holds(self, req: Request) -> bool:
         return self.mamba.holds(req.request_id)
@@ -224,5 +257,13 @@ class EngineCacheManager:
                 "num_checkpoint_evictions": m.num_evictions, "num_snapshots_skipped": m.num_snapshots_skipped}
 
     def check_integrity(self) -> None:
+        """Raise AssertionError if a pool invariant is broken, a request's remembered cover
+        exceeds what its pages cover now, or a kept block table is stale (tests, after each step)."""
         for pool in self.pools:
             pool.check_integrity()
+        for rid, covered in self._covered.items():
+            assert self.mamba.holds(rid), f"cover of released {rid!r} kept"
+            assert covered <= self.groups.num_covered_positions(rid, decoding=True), f"cover of {rid!r} overstated"
+        for tables in (self.block_tables, self.draft_tables):
+            if tables is not None:
+                tables.check_integrity()

@@ -29,7 +29,7 @@ from workers.engine.errors import EngineConfigError, InvalidRequestError, valida
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
-from workers.engine.step_inputs import build_batch, sampling_logits
+from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +150,14 @@ class LLMEngine:
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
         hidden = self.model.forward(batch, self.caches)  # [T, hidden]
         logits = sampling_logits(self.model, scheduled, hidden)
-        new_tokens: dict[str, list[int]] = {}
+        new_tokens: list[list[int]] = []
         draft_inputs: list[DraftInput] = []
         row = 0
-        for item, item_logits in zip(scheduled, logits):
-            rows = hidden[row : row + item.num_new_tokens]
-            row += item.num_new_tokens
+        for i, item in enumerate(scheduled):
             handler = self._after_prefill if item.kind is ChunkKind.PREFILL else self._after_decode
-            tokens, draft_input = handler(item, rows, item_logits)
-            new_tokens[item.req.request_id] = tokens
+            tokens, draft_input = handler(item, hidden, row, logits, i)
+            row += item.num_new_tokens
+            new_tokens.append(tokens)
             if draft_input is not None:
                 draft_inputs.append(draft_input)
         if self.drafter is not None:
@@ -169,11 +168,11 @@ class LLMEngine:
                 req.draft_token_ids = drafts[: max(0, room)]
                 req.num_draft_proposed += len(req.draft_token_ids)
         outputs = []
-        for item in scheduled:
+        for item, tokens in zip(scheduled, new_tokens):
             req = item.req
             if req.status is not RequestStatus.FINISHED:
                 self.cache.publish(req)
-            outputs.append(RequestOutput.of(req, new_tokens[req.request_id]))
+            outputs.append(RequestOutput.of(req, tokens))
             if req.status is RequestStatus.FINISHED:
                 self.requests.pop(req.request_id, None)
         return outputs
@@ -181,21 +180,23 @@ class LLMEngine:
     def _wants_drafts(self, req: Request) -> bool:
         return self.speculative and req.params.greedy and not req.params.shapes_logits
 
-    def _after_prefill(self, item: ScheduledChunk, rows: torch.Tensor,
-                       logits: torch.Tensor | None) -> tuple[list[int], DraftInput | None]:
+    def _after_prefill(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
+                       index: int) -> tuple[list[int], DraftInput | None]:
+        """Chunk `index` of the step, a prefill: its hidden rows are hidden[row : row + m]."""
         req, m = item.req, item.num_new_tokens
         start = req.num_computed_tokens
+        rows = hidden[row : row + m]
         self.cache.record_hidden(req, start, rows)
         req.num_computed_tokens = end = start + m
         if end in req.checkpoints:
             self.cache.snapshot(req, self.cache.state_page(req), end)
         tokens: list[int] = []
         if end == req.num_prefill_tokens:  # the prompt, or every known token after a preemption
-            assert logits is not None  # [1, vocab]: sampling_logits picked this chunk's last row
-            token = req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)
+            # one row: sampling_logits picked this chunk's last row
+            token = self._sample(req, logits, index)
             if req.first_token_s is None:
                 req.first_token_s = time.perf_counter()
-            tokens = self._emit(req, [token], logits)
+            tokens = self._emit(req, [token], logits, index)
         if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         # draft rows: positions [draft_start, end) whose next token is known now
@@ -212,13 +213,14 @@ class LLMEngine:
         propose = end == req.num_prefill_tokens
         return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
 
-    def _after_decode(self, item: ScheduledChunk, rows: torch.Tensor,
-                      logits: torch.Tensor | None) -> tuple[list[int], DraftInput | None]:
+    def _after_decode(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
+                      index: int) -> tuple[list[int], DraftInput | None]:
+        """Chunk `index` of the step, a decode or verify (1 + d rows from hidden[row], every one
+        sampling)."""
         req, n = item.req, item.req.num_computed_tokens
         drafts = req.draft_token_ids
-        assert logits is not None  # [1 + d, vocab]: every row of a decode / verify chunk
         if drafts:
-            target = torch.argmax(logits, dim=-1).tolist()
+            target = logits.argmax_of(index)
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
@@ -228,22 +230,30 @@ class LLMEngine:
                 self.cache.mamba.rollback(req.request_id, accepted)
         else:
             accepted = 0
-            proposal = [req.sampler.sample(logits[0], req.prompt_token_ids, req.output_token_ids)]
+            proposal = [self._sample(req, logits, index)]
         req.draft_token_ids = []
-        self.cache.record_hidden(req, n, rows[: accepted + 1])
+        self.cache.record_hidden(req, n, hidden, row, accepted + 1)
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))
-        tokens = self._emit(req, proposal, logits)
+        tokens = self._emit(req, proposal, logits, index)
         if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
             return tokens, None
         next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
-        hidden = rows[: len(next_ids)]
-        return tokens, DraftInput(req, n, hidden, next_ids, True)
+        return tokens, DraftInput(req, n, hidden[row : row + len(next_ids)], next_ids, True)
+
+    @staticmethod
+    def _sample(req: Request, logits: StepLogits, index: int) -> int:
+        """The token chunk `index` samples from its first sampling row."""
+        if req.sampler.is_argmax:  # the step's batched argmax: no per-request tensor op
+            return logits.argmax_of(index)[0]
+        return req.sampler.sample(logits.of(index)[0], req.prompt_token_ids, req.output_token_ids)
 
     def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
         """Keep the Mamba states at the last two alignment boundaries passed while decoding
         (the final boundary F and F - A), for the next chat turn."""
         step = self.cache.alignment
+        if (start + count) // step == start // step:  # no boundary in (start, start + count]
+            return
         for pos in range(start + 1, start + count + 1):
             if pos % step:
                 continue
@@ -251,19 +261,19 @@ class LLMEngine:
             src = verify[pos - start - 1] if verified else self.cache.state_page(req)
             self.cache.mamba.track_boundary(req.request_id, pos, src)
 
-    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[int]:
-        """Append sampled tokens, stopping at a stop token or the length limit; `logits[i]` is the
-        row `tokens[i]` was chosen from (read for the request's logprobs)."""
+    def _emit(self, req: Request, tokens: list[int], logits: StepLogits, index: int) -> list[int]:
+        """Append sampled tokens, stopping at a stop token or the length limit; row i of chunk
+        `index`'s logits is the row `tokens[i]` was chosen from (read for the request's logprobs)."""
         out = []
-        stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops.update(self.eos_token_ids)
+        stops = req.sampler.stop_token_ids  # the request's stop ids and, unless ignore_eos, the model's EOS
+        num_logprobs = req.params.logprobs
+        rows = logits.of(index) if num_logprobs is not None else None
         reason = None
         for i, t in enumerate(tokens):
             out.append(t)
             req.output_token_ids.append(t)
-            if req.params.logprobs is not None:
-                req.output_logprobs.append(token_logprobs(logits[i], t, req.params.logprobs))
+            if rows is not None:
+                req.output_logprobs.append(token_logprobs(rows[i], t, num_logprobs))
             if t in stops:
                 reason = FinishReason.STOP
                 break

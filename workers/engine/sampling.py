@@ -91,10 +91,15 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
         """`eos_token_ids`: the model's end-of-sequence ids (none when the request ignores eos);
-        with `min_tokens` they are banned, with the request's stop ids, until enough tokens exist."""
+        with `min_tokens` they are banned, with the request's stop ids, until enough tokens exist.
+        `is_argmax`: `sample` would return `int(torch.argmax(logits))` (greedy, nothing shaping the
+        logits), so a caller holding a batch's argmax may take the token from it."""
         self.params = params
         self.generator: torch.Generator | None = None
         self.min_tokens_banned = tuple(sorted(set(params.stop_token_ids) | set(eos_token_ids)))
+        self.stop_token_ids = frozenset(self.min_tokens_banned)  # a sampled one finishes the request
+        # the token is the raw row's first argmax: the engine reads it from the step's batched argmax
+        self.is_argmax = params.greedy and not params.shapes_logits
         if not params.greedy:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())

@@ -33,11 +33,46 @@ def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager) -> F
     return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
 
 
-def sampling_logits(model, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> list[torch.Tensor | None]:
+class StepLogits:
+    """The logits of every row that samples this step, stacked, with each row's argmax.
+
+    `rows`: [num_rows, vocab] float32 (None when no chunk samples); chunk i's rows are
+    `rows[spans[i][0] : spans[i][1]]` (span None: the chunk samples nothing). `argmax`: the index of
+    each row's first maximum (torch.argmax's tie rule, as `Sampler.sample` uses), read back with one
+    `.tolist()` for the whole step at its first use: greedy requests without logit shaping and verify
+    chunks take their tokens from it instead of one argmax and one device read per request."""
+
+    __slots__ = ("rows", "spans", "_argmax")
+
+    def __init__(self, rows: torch.Tensor | None, spans: list[tuple[int, int] | None]) -> None:
+        self.rows, self.spans = rows, spans
+        self._argmax: list[int] | None = None
+
+    @property
+    def argmax(self) -> list[int]:
+        """Every row's argmax, computed at the first read (a step of sampled requests only needs none)."""
+        if self._argmax is None:
+            self._argmax = [] if self.rows is None else torch.argmax(self.rows, dim=-1).tolist()
+        return self._argmax
+
+    def of(self, i: int) -> torch.Tensor:
+        """Chunk i's rows, [num_sampling_rows, vocab] (a view)."""
+        span = self.spans[i]
+        assert self.rows is not None and span is not None, f"chunk {i} samples nothing this step"
+        return self.rows[span[0] : span[1]]
+
+    def argmax_of(self, i: int) -> list[int]:
+        """The argmax of each of chunk i's rows."""
+        span = self.spans[i]
+        assert span is not None, f"chunk {i} samples nothing this step"
+        return self.argmax[span[0] : span[1]]
+
+
+def sampling_logits(model, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> StepLogits:
     """Logits for every row that samples this step, in one `compute_logits` call (one vocab GEMM per
     step instead of one per request): a prefill chunk's last row when it ends the prefill, every row
-    of a decode or verify chunk. One entry per scheduled chunk, None where nothing samples. Call it
-    before the chunks' requests advance (it reads `num_computed_tokens`)."""
+    of a decode or verify chunk. Call it before the chunks' requests advance (it reads
+    `num_computed_tokens`)."""
     picks: list[int] = []
     spans: list[tuple[int, int] | None] = []
     row = 0
@@ -53,7 +88,9 @@ def sampling_logits(model, scheduled: list[ScheduledChunk], hidden: torch.Tensor
             spans.append(None)
         row += m
     if not picks:
-        return [None] * len(scheduled)
-    index = torch.tensor(picks, dtype=torch.long, device=hidden.device)
-    stacked = model.compute_logits(hidden.index_select(0, index))  # [len(picks), vocab]
-    return [None if span is None else stacked[span[0] : span[1]] for span in spans]
+        return StepLogits(None, spans)
+    if len(picks) == row:  # every row samples (a decode-only step): no gather
+        chosen = hidden
+    else:
+        chosen = hidden.index_select(0, torch.tensor(picks, dtype=torch.long, device=hidden.device))
+    return StepLogits(model.compute_logits(chosen), spans)  # [len(picks), vocab]
