@@ -18,7 +18,9 @@ class EngineConfig:
     mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
     max_num_seqs: int = 8
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
-    # tokens per step, decodes first, then prefill chunks; None: max(chunk_size, A) + max_num_seqs * (k + 1)
+    # tokens per step, decodes first, then prefill chunks; None: max(2048, max(chunk_size, A) +
+    # max_num_seqs * (k + 1)): vLLM's serving default (2048), raised so a full step of decodes still
+    # leaves room for one chunk
     max_num_batched_tokens: int | None = None
     # byte budget of retained Mamba checkpoints, as a share of cache_memory_bytes (working states
     # are never counted nor evicted); beyond it the checkpoint of least expected value goes

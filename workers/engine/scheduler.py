@@ -35,6 +35,10 @@ from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
 from workers.engine.request import Request, RequestStatus
 
+# vLLM's serving default for max_num_batched_tokens: a burst of short prompts prefills in a few large
+# steps (GEMMs of thousands of rows) instead of many steps of one chunk each
+DEFAULT_TOKEN_BUDGET = 2048
+
 
 class ChunkKind(str, Enum):
     PREFILL = "prefill"
@@ -56,7 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # priority order: earliest arrival first
         k = cache.num_spec_tokens
-        default = max(config.chunk_size, cache.alignment) + config.max_num_seqs * (k + 1)
+        default = max(DEFAULT_TOKEN_BUDGET, max(config.chunk_size, cache.alignment) + config.max_num_seqs * (k + 1))
         self.token_budget = config.max_num_batched_tokens or default
         if self.token_budget < cache.alignment + k + 1:
             raise EngineConfigError(
