@@ -57,6 +57,7 @@ def test_admit_grow_publish_and_free_per_group():
     assert gm.publish("r", HASHES, [40, 40, 40]) == [0, 0, 0]
     assert gm.publish("r", HASHES, [96, 80, 96]) == [4, 3, 0]
     assert gm.publish("r", HASHES, [160, 160, 160]) == [2, 3, 0]  # 8 blocks held: up to 128
+    assert gm.publish("r", HASHES, [160, 160, 160]) == [0, 0, 0]  # past the fast path, still nothing new
     keys = gm.cached_keys()
     assert keys[0] == keys[1] == {HASHES.prefix_hash(16 * (j + 1)) for j in range(8)} and keys[2] == set()
     gm.free("r")
@@ -260,3 +261,17 @@ def test_admitting_a_prompt_cached_whole_needs_no_fresh_attention_block():
     assert gm.managers[0].req_to_blocks["b"] == [gm.managers[0].pool.get_cached(HASHES.prefix_hash(e))
                                                  for e in (16, 32, 48, 64)]
     assert not gm.can_admit("c", HASHES, 0, 16)  # and nothing is left
+
+
+def test_num_covered_positions_is_the_least_attention_cover_unless_mamba_needs_a_page():
+    """What the engine's growth fast path trusts: positions reachable without taking any page."""
+    gm, _ = make_managers()
+    full, draft, mamba = gm.managers
+    gm.admit("r", HASHES, 0, 100)  # 7 blocks of 16 in each attention group
+    assert gm.num_covered_positions("r") == 7 * 16
+    assert mamba.num_blocks_needed("r", 0, True) > 0 and gm.num_covered_positions("r", decoding=True) == 0
+    gm.grow("r", 120, decoding=True)  # 8 blocks, and the Mamba boundary pages a decode needs
+    assert gm.num_covered_positions("r", decoding=True) == 8 * 16
+    draft.pool.free(reversed(draft.req_to_blocks["r"][7:]))
+    del draft.req_to_blocks["r"][7:]  # the draft group one block short: the least cover counts
+    assert gm.num_covered_positions("r", decoding=True) == 7 * 16
