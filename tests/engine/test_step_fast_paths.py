@@ -147,3 +147,13 @@ def test_the_model_eos_stops_a_request_unless_it_ignores_eos(tiny_model):
     assert (heeds.token_ids, heeds.finish_reason) == (free.token_ids[: first + 1], "stop")
     assert (ignores.token_ids, ignores.finish_reason) == (free.token_ids, "length")
     assert Sampler(SamplingParams(stop_token_ids=(7,)), eos_token_ids=(2, 3)).stop_token_ids == {2, 3, 7}
+
+
+@pytest.mark.parametrize("k, eagle, kept", [(3, "lossless", True), (3, "drop", False), (0, "lossless", False)])
+def test_the_hidden_state_sidecar_is_kept_only_for_lossless_drafting(tiny_model, k, eagle, kept):
+    """Only lossless EAGLE reads the sidecar (a hit's draft KV at L-1); any other engine must not pay a
+    copy per completed block for it, and the lossless one must keep every completed block's row."""
+    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
+    engine.generate([make_prompt(70, seed=3)], SamplingParams(max_tokens=2))
+    written = int((engine.cache.sidecar.abs().sum(dim=1) > 0).sum())
+    assert written == (70 // engine.cache.block_size if kept else 0)

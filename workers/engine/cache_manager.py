@@ -92,6 +92,9 @@ class EngineCacheManager:
         self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
+        # only lossless EAGLE reads it (a hit's draft KV at L-1 is recomputed from it): without speculation,
+        # or with the drop rule, recording it is a copy per completed block for nothing
+        self.keeps_sidecar = eagle is EagleMode.LOSSLESS
 
     @property
     def alignment(self) -> int:
@@ -195,7 +198,10 @@ class EngineCacheManager:
     def record_hidden(self, req: Request, start: int, hidden: torch.Tensor, first_row: int = 0,
                       num_rows: int | None = None) -> None:
         """Keep the sidecar rows of blocks whose last position lies in [start, start + num_rows);
-        position start + j's hidden state is hidden[first_row + j] (num_rows: all rows from first_row)."""
+        position start + j's hidden state is hidden[first_row + j] (num_rows: all rows from first_row).
+        A no-op unless the engine drafts losslessly (the only reader)."""
+        if not self.keeps_sidecar:
+            return
         size = self.block_size
         if num_rows is None:
             num_rows = hidden.shape[0] - first_row
