@@ -22,6 +22,7 @@ from torch import nn
 
 from workers.model.config import HybridModelConfig
 from workers.model.kernels import KernelSet
+from workers.model.linear import Linear
 from workers.model.paged_plan import PagedPlan
 from workers.model.rows import copy_rows_
 
@@ -52,10 +53,10 @@ class PagedAttention(nn.Module):
         self.rope_theta, self.rotary_dim = config.rope_theta, config.rotary_dim
         self.kernels = kernels
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def forward(
         self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], plan: PagedPlan

@@ -22,6 +22,7 @@ from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch, ForwardCounts
 from workers.model.kernels import TORCH_KERNELS, KernelSet
+from workers.model.linear import Linear
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.mamba_plan import MambaPlan
 from workers.model.mlp import make_mlp
@@ -80,7 +81,7 @@ class HybridForCausalLM(nn.Module):
         self.config = config
         self.kernels = kernels
         self.model = HybridBackbone(config, kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # tie_lm_head=False: a NemotronH checkpoint that stores lm_head.weight despite tie_word_embeddings
         # (transformers' NemotronH never ties: it loads lm_head.weight). See loader.py.
         self.tied = config.tie_word_embeddings if tie_lm_head is None else tie_lm_head

@@ -27,6 +27,7 @@ from torch import nn
 from workers.model.config import HybridModelConfig
 from workers.model.forward_batch import VerifyGroup
 from workers.model.kernels import KernelSet
+from workers.model.linear import Linear
 from workers.model.mamba_plan import MambaPlan, PrefillPlan
 from workers.model.norms import GatedRMSNorm
 from workers.model.rows import Index, copy_rows_, put, take
@@ -57,7 +58,7 @@ class Mamba2Mixer(nn.Module):
         self.chunk_size = config.chunk_size
         self.dt_min, self.dt_max = config.dt_limit
         self.kernels = kernels
-        self.in_proj = nn.Linear(config.hidden_size, config.in_proj_dim, bias=config.use_bias)
+        self.in_proj = Linear(config.hidden_size, config.in_proj_dim, bias=config.use_bias)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -70,7 +71,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.nheads + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(self.nheads))
         self.norm = GatedRMSNorm(self.d_inner, self.ngroups, config.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.use_bias)
+        self.out_proj = Linear(self.d_inner, config.hidden_size, bias=config.use_bias)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """xbc [n, conv_dim] -> x [n, H, P], B [n, G, N], C [n, G, N]."""

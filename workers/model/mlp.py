@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
+from workers.model.linear import Linear
 
 ACTIVATIONS = {
     "relu2": lambda x: F.relu(x).square(),
@@ -23,8 +24,8 @@ class MLP(nn.Module):
     def __init__(self, config: HybridModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.mlp_hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +39,9 @@ class GatedMLP(nn.Module):
     def __init__(self, config: HybridModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.gate_proj = Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.mlp_hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

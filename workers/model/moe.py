@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import HybridModelConfig
+from workers.model.linear import Linear, linear
 from workers.model.mlp import ACTIVATIONS, make_mlp
 
 
@@ -82,9 +83,9 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             seg = xs[start : start + n]  # [n, width]
-            up = F.linear(seg, self.up_proj[e])  # [n, I]
-            act = self.act(F.linear(seg, self.gate_proj[e])) * up if self.gate_proj is not None else self.act(up)
-            ys[start : start + n] = F.linear(act, self.down_proj[e]).float()
+            up = linear(seg, self.up_proj[e])  # [n, I]
+            act = self.act(linear(seg, self.gate_proj[e])) * up if self.gate_proj is not None else self.act(up)
+            ys[start : start + n] = linear(act, self.down_proj[e]).float()
             start += n
         ys *= weights.reshape(-1)[order, None].float()
         out = torch.zeros(T, h.shape[1], dtype=torch.float32, device=h.device)
@@ -100,8 +101,8 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = make_mlp(config, config.moe_shared_expert_intermediate_size)
         latent = config.moe_latent_size
-        self.fc1_latent_proj = nn.Linear(config.hidden_size, latent, bias=False) if latent else None
-        self.fc2_latent_proj = nn.Linear(latent, config.hidden_size, bias=False) if latent else None
+        self.fc1_latent_proj = Linear(config.hidden_size, latent, bias=False) if latent else None
+        self.fc2_latent_proj = Linear(latent, config.hidden_size, bias=False) if latent else None
         self.group = None  # TPGroup | None: set by tp_shard.attach_group on a shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

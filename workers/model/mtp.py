@@ -21,6 +21,7 @@ from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch
 from workers.model.hybrid import make_mixer
 from workers.model.kernels import KernelSet
+from workers.model.linear import Linear
 from workers.model.norms import RMSNorm
 from workers.model.paged_plan import PagedPlan
 
@@ -35,7 +36,7 @@ class MTPLayer(nn.Module):
         if first:
             self.enorm = RMSNorm(hidden, eps)
             self.hnorm = RMSNorm(hidden, eps)
-            self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.norm = RMSNorm(hidden, eps)
         self.mixer = make_mixer(config, kind, kernels)
         if last:

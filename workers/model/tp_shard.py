@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.model.attention import PagedAttention
@@ -34,6 +33,7 @@ from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.errors import TensorParallelError
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.kernels import KernelSet
+from workers.model.linear import linear
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.mlp import MLP, GatedMLP
 from workers.model.moe import MoE
@@ -140,7 +140,7 @@ class RowParallelLinear(nn.Module):
         self.group = group  # TPGroup | None (None: a 1-rank shard, no reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, out] partial sum of this rank
+        y = linear(x, self.weight)  # [T, out] partial sum of this rank
         if self.group is not None:
             self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
