@@ -27,8 +27,9 @@ _logged = False
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN."""
-    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1])
+    # the row count first: a single sequence's decode step (most calls) is decided by it alone
+    return (x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and _ONEDNN and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,4 +47,6 @@ class Linear(nn.Linear):
     """nn.Linear whose forward is `linear` (parameters, names and init unchanged)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < ONEDNN_MIN_ROWS * x.shape[-1]:  # few rows: MKL, without a further call
+            return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
