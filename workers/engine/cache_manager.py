@@ -87,8 +87,8 @@ class EngineCacheManager:
         # decode): a step within them takes nothing, so can_grow / grow return at once
         self._covered: dict[str, int] = {}
         self.lookup_view = PoolLookup(self.pools)
-        # (manager, whether its content runs to num_draft_computed_tokens) per group, for `publish`
-        self._publishers = tuple((m, m.spec.kind == "draft") for m in self.groups.managers)
+        # per group: whether its content runs to num_draft_computed_tokens (else num_computed_tokens)
+        self._is_draft = tuple(spec.kind == "draft" for spec in self.layout.groups)
         self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
@@ -217,10 +217,8 @@ class EngineCacheManager:
         """Publish every newly completed block of every group under its prefix hash."""
         if not self.config.enable_prefix_caching:
             return
-        rid, hashes, checkpoints = req.request_id, req.hashes, req.checkpoints
-        for manager, draft in self._publishers:  # GroupManagers.publish, one call per group, inlined
-            manager.publish(rid, hashes, req.num_draft_computed_tokens if draft else req.num_computed_tokens,
-                            checkpoints)
+        computed = [req.num_draft_computed_tokens if draft else req.num_computed_tokens for draft in self._is_draft]
+        self.groups.publish(req.request_id, req.hashes, computed, req.checkpoints)
 
     def snapshot(self, req: Request, page: int, position: int) -> bool:
         """Retain the Mamba state in `page` (the state after `position` tokens) as a checkpoint."""

@@ -145,7 +145,7 @@ class ForwardBatch:
         if block_size is not None:
             if any(c.block_table.dim() != 1 for c in chunks):
                 return False
-            need = [-(-(c.num_context_tokens + c.num_new_tokens) // block_size) for c in chunks]
+            need = [-(-c.num_total_tokens // block_size) for c in chunks]
             lengths = [c.block_table.shape[0] for c in chunks]
             if any(length < k for length, k in zip(lengths, need)):
                 return False

@@ -46,7 +46,7 @@ class PagedPlan:
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
         chunks = batch.chunks
         num_new = tuple(c.num_new_tokens for c in chunks)
-        num_total = tuple(c.num_context_tokens + c.num_new_tokens for c in chunks)
+        num_total = tuple(c.num_total_tokens for c in chunks)
         s_max = max(num_total)
         tables = batch.block_tables.to("cpu", torch.long)  # [n, max blocks]; entries past a chunk's need are masked
         pos = torch.arange(s_max)  # [S_max]
