@@ -43,3 +43,18 @@ def test_every_projection_of_a_built_model_is_a_linear(tiny_model):
     plain = [name for name, m in tiny_model.named_modules() if type(m) is nn.Linear]
     ours = [name for name, m in tiny_model.named_modules() if isinstance(m, Linear)]
     assert not plain and len(ours) >= 20
+
+
+def test_the_module_routes_many_rows_to_onednn_and_few_to_f_linear():
+    """Bit for bit (the two libraries round differently): a Linear that always took F.linear would lose
+    the speed silently, one that always took oneDNN would slow single-sequence steps."""
+    torch.manual_seed(0)
+    layer = Linear(512, 256)  # a long enough reduction that the two libraries' sums differ
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        few, many = torch.randn(ONEDNN_MIN_ROWS - 1, 512, generator=g), torch.randn(300, 512, generator=g)
+        assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))
+        if torch.backends.mkldnn.is_available():
+            want = torch.ops.mkldnn._linear_pointwise(many, layer.weight, layer.bias, "none", [], "")
+            assert torch.equal(layer(many), want)
+            assert not torch.equal(want, torch.nn.functional.linear(many, layer.weight, layer.bias))
