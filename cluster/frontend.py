@@ -40,6 +40,7 @@ from cluster.protocol import (
     TokenizeRequest,
     error_docs,
 )
+from cluster.streaming import with_usage
 from cluster.text_model import GenerationDefaults, TextModel
 from cluster.tokenizer import ByteTokenizer, Tokenizer
 from workers.engine.errors import InvalidRequestError
@@ -204,10 +205,7 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
                       "logprobs": logprobs(inc.token_ids, inc.logprobs, len(echo) + len(state.text) - len(inc.text)),
                       "finish_reason": inc.finish_reason if inc.finished else None,
                       "stop_reason": inc.stop_reason if inc.finished else None}
-            chunk = {**head, "choices": [choice]}
-            if inc.finished or (body.stream_options and body.stream_options.continuous_usage_stats):
-                chunk["usage"] = state.usage()
-            return [chunk]
+            return with_usage(body, state, head, [{**head, "choices": [choice]}], inc.finished)
 
         return driver.sse(stream, started_s, state, chunks)
 
@@ -232,7 +230,6 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
                                  "stop_reason": state.stop_reason,
                                  "logprobs": logprobs(state.token_ids, state.logprobs)}]}
         head = {**head, "object": "chat.completion.chunk"}
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         started = [False]
 
         def chunks(inc: Increment) -> list[dict]:
@@ -247,11 +244,7 @@ def create_app(backend, model_name: str, api_key: str | None = None, tokenizer: 
             if inc.finished:
                 events.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": inc.finish_reason,
                                                     "stop_reason": inc.stop_reason, "logprobs": None}]})
-                if body.include_usage:
-                    events.append({**head, "choices": [], "usage": state.usage()})
-            if continuous:
-                events = [{**e, "usage": state.usage()} if e["choices"] else e for e in events]
-            return events
+            return with_usage(body, state, head, events, inc.finished)
 
         return driver.sse(stream, started_s, state, chunks)
 
