@@ -37,8 +37,11 @@ class Drafter(Protocol):
 
 
 class MTPDrafter:
-    def __init__(self, model, caches, num_spec_tokens: int, table_of: Callable[[Request], torch.Tensor]) -> None:
-        """`table_of(req)`: the request's draft-group block table (the engine's draft manager)."""
+    def __init__(self, model, caches, num_spec_tokens: int, table_of: Callable[[Request], torch.Tensor],
+                 id_range_of: Callable[[list[str]], tuple[int, int]] | None = None) -> None:
+        """`table_of(req)`: the request's draft-group block table (the engine's draft manager);
+        `id_range_of(request_ids)`: the (smallest, largest) id over their tables, when known without
+        reading them (`ForwardBatch.block_id_range`)."""
         from workers.model.forward_batch import ForwardBatch, SeqChunk
 
         self._batch, self._chunk = ForwardBatch, SeqChunk
@@ -46,6 +49,7 @@ class MTPDrafter:
         self.caches = caches
         self.num_spec_tokens = num_spec_tokens
         self._table = table_of
+        self._id_range = id_range_of
 
     @torch.inference_mode()
     def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
@@ -55,7 +59,8 @@ class MTPDrafter:
         chunks = [self._chunk(i.start, len(i.next_token_ids), t, 0) for i, t in zip(inputs, tables)]
         ids = torch.tensor([t for i in inputs for t in i.next_token_ids], dtype=torch.long)
         hidden = torch.cat([i.hidden for i in inputs])
-        out = self.model.mtp.forward(hidden, self._batch(ids, tuple(chunks)), self.caches)
+        id_range = self._id_range([i.req.request_id for i in inputs]) if self._id_range else None
+        out = self.model.mtp.forward(hidden, self._batch(ids, tuple(chunks), 0, id_range), self.caches)
         drafts: dict[str, list[int]] = {}
         last_rows, row = [], 0
         for i, table in zip(inputs, tables):
@@ -67,6 +72,7 @@ class MTPDrafter:
         if not last_rows:
             return drafts
         proposing = [i for i, _, _ in last_rows]
+        id_range = self._id_range([i.req.request_id for i in proposing]) if self._id_range else None
         tables = [t for _, t, _ in last_rows]
         h = out[[r for _, _, r in last_rows]]  # [b, hidden]
         tokens = torch.argmax(self.model.compute_logits(h), dim=-1)  # [b]
@@ -76,7 +82,7 @@ class MTPDrafter:
                 self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, table, 0)
                 for i, table in zip(proposing, tables)
             ]
-            h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks)), self.caches)
+            h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks), 0, id_range), self.caches)
             tokens = torch.argmax(self.model.compute_logits(h), dim=-1)
             chain.append(tokens)
         for i, row in zip(proposing, torch.stack(chain, dim=1).tolist()):  # [b, k]: one read-back

@@ -57,7 +57,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.cache)
         if self.speculative and drafter is None:
-            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table)
+            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table,
+                                 self.cache.draft_tables.id_range)
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -30,7 +30,8 @@ def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager) -> F
             ids.extend(req.draft_token_ids)
         per_token = cache.verify_pages(req, m) if item.kind is ChunkKind.VERIFY else None
         chunks.append(SeqChunk(n, m, cache.block_table(req), cache.state_page(req), per_token))
-    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt)
+    id_range = cache.block_tables.id_range([item.req.request_id for item in scheduled])
+    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt, id_range)
 
 
 class StepLogits:
