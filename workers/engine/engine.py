@@ -29,6 +29,7 @@ from workers.engine.errors import EngineConfigError, InvalidRequestError, valida
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
+from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class LLMEngine:
                                  self.cache.draft_tables.id_range)
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
+        self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once
         self._ids = itertools.count()
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
@@ -161,6 +163,7 @@ class LLMEngine:
             new_tokens.append(tokens)
             if draft_input is not None:
                 draft_inputs.append(draft_input)
+        self.state_copies.flush()
         if self.drafter is not None:
             live = [d for d in draft_inputs if d.req.status is not RequestStatus.FINISHED]
             for rid, drafts in self.drafter.run(live).items():
@@ -228,7 +231,8 @@ class LLMEngine:
             proposal = drafts[:accepted] + [target[accepted]]
             req.num_draft_accepted += accepted
             if accepted < len(drafts):  # else the working page already holds the state after the whole chunk
-                self.cache.mamba.rollback(req.request_id, accepted)
+                # the state after the last accepted token (queued: the step copies all rollbacks at once)
+                self.state_copies.add(self.cache.verify_pages(req, accepted + 1)[accepted], self.cache.state_page(req))
         else:
             accepted = 0
             proposal = [self._sample(req, logits, index)]
@@ -287,6 +291,7 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.state_copies.flush()  # its working page is snapshotted and given back below
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)
