@@ -31,6 +31,9 @@ def test_step_argmax_equals_the_per_row_sampler_including_ties():
     assert sum(int((r == r.max()).sum()) > 1 for r in rows) >= 20  # ties are the common case here
     spans = [(0, 1), None, (1, 5), (5, 40), None]
     logits = StepLogits(rows, spans)
+    with pytest.raises(AssertionError, match="read_back"):
+        _ = logits.argmax
+    logits.read_back()
     greedy = Sampler(SamplingParams())
     assert logits.argmax == [greedy.sample(r) for r in rows] == [int(torch.argmax(r)) for r in rows]
     assert logits.argmax[:5] == [0, 15, 3, 5, 2]
@@ -41,7 +44,9 @@ def test_step_argmax_equals_the_per_row_sampler_including_ties():
             continue
         assert logits.argmax_of(i) == [greedy.sample(r) for r in rows[span[0] : span[1]]]
         torch.testing.assert_close(logits.of(i), rows[span[0] : span[1]], rtol=0, atol=0, equal_nan=True)
-    assert StepLogits(None, [None, None]).argmax == []
+    empty = StepLogits(None, [None, None])
+    empty.read_back()
+    assert empty.argmax == []
 
 
 @pytest.mark.parametrize("kw", [{"temperature": 0.7, "seed": 1}, {"repetition_penalty": 1.5},

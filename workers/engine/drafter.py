@@ -18,6 +18,16 @@ import torch
 from workers.engine.request import Request
 
 
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """Drafts left where they were computed: `tokens` int64 [b, k] (row i: request_ids[i]'s chain).
+    The engine feeds them to the next step's input ids on the device and reads their values together
+    with that step's sampled tokens (one device -> host copy per step, see PendingDrafts)."""
+
+    tokens: torch.Tensor
+    request_ids: tuple[str, ...]
+
+
 @dataclass
 class DraftInput:
     req: Request
@@ -30,9 +40,9 @@ class DraftInput:
 class Drafter(Protocol):
     num_spec_tokens: int
 
-    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
+    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]] | DeviceDrafts:
         """Process the rows (updating `req.num_draft_computed_tokens`) and return drafts for the
-        inputs with `propose` set, keyed by request id."""
+        inputs with `propose` set: values keyed by request id, or left on the device."""
         ...
 
 
@@ -52,7 +62,7 @@ class MTPDrafter:
         self._id_range = id_range_of
 
     @torch.inference_mode()
-    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]]:
+    def run(self, inputs: list[DraftInput]) -> dict[str, list[int]] | DeviceDrafts:
         if not inputs:
             return {}
         tables = [self._table(i.req) for i in inputs]  # fixed for the whole chain
@@ -85,6 +95,41 @@ class MTPDrafter:
             h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks), 0, id_range), self.caches)
             tokens = torch.argmax(self.model.compute_logits(h), dim=-1)
             chain.append(tokens)
-        for i, row in zip(proposing, torch.stack(chain, dim=1).tolist()):  # [b, k]: one read-back
-            drafts[i.req.request_id] = row
-        return drafts
+        # [b, k] left on the device: read with the next step's sampled tokens
+        return DeviceDrafts(torch.stack(chain, dim=1), tuple(i.req.request_id for i in proposing))
+
+
+class PendingDrafts:
+    """The latest DeviceDrafts whose values the host has not read, and which request reads which row.
+
+    A step writes the pending drafts of its verify chunks into its input ids on the device
+    (`fill_input_ids`), then `deliver`s the values read back with the step's sampled tokens to every
+    request still waiting for them (`Request.has_pending_drafts`; a request preempted meanwhile has
+    dropped its drafts and gets nothing). After `deliver` nothing is pending."""
+
+    def __init__(self) -> None:
+        self.tokens: torch.Tensor | None = None  # int64 [b, k]
+        self._requests: list[Request] = []
+        self._row: dict[int, int] = {}  # id(request) -> its row
+
+    def __bool__(self) -> bool:
+        return self.tokens is not None
+
+    def set(self, drafts: DeviceDrafts, requests: list[Request]) -> None:
+        """Pending from now: `requests[i]` (its num_draft_tokens set, draft_token_ids empty) reads row i."""
+        if len(requests) != drafts.tokens.shape[0]:
+            raise ValueError(f"{len(requests)} requests for {drafts.tokens.shape[0]} rows of drafts")
+        self.tokens, self._requests = drafts.tokens, requests
+        self._row = {id(r): i for i, r in enumerate(requests)}
+
+    def flat_index(self, req: Request) -> int:
+        """Where `req`'s first draft sits in tokens.flatten()."""
+        return self._row[id(req)] * self.tokens.shape[1]
+
+    def deliver(self, values: list[int]) -> None:
+        """`values`: tokens.flatten() read back. Gives each waiting request its first num_draft_tokens."""
+        k = self.tokens.shape[1]
+        for i, req in enumerate(self._requests):
+            if req.has_pending_drafts:
+                req.draft_token_ids = values[i * k : i * k + req.num_draft_tokens]
+        self.tokens, self._requests, self._row = None, [], {}

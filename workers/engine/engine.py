@@ -24,7 +24,7 @@ from cache_service.coordinator import EagleMode
 from cache_service.events import EventSink
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
-from workers.engine.drafter import Drafter, DraftInput, MTPDrafter
+from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
@@ -63,6 +63,7 @@ class LLMEngine:
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once
+        self.pending_drafts = PendingDrafts()  # the MTP drafts of the last step, still on the device
         self._ids = itertools.count()
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
@@ -149,10 +150,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch = build_batch(scheduled, self.cache)
+        batch = build_batch(scheduled, self.cache, self.pending_drafts)
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
         hidden = self.model.forward(batch, self.caches)  # [T, hidden]
         logits = sampling_logits(self.model, scheduled, hidden)
+        logits.read_back(self.pending_drafts)  # the step's device -> host copy: argmax rows + drafts
         new_tokens: list[list[int]] = []
         draft_inputs: list[DraftInput] = []
         row = 0
@@ -166,11 +168,7 @@ class LLMEngine:
         self.state_copies.flush()
         if self.drafter is not None:
             live = [d for d in draft_inputs if d.req.status is not RequestStatus.FINISHED]
-            for rid, drafts in self.drafter.run(live).items():
-                req = self.requests[rid]
-                room = req.params.max_tokens - len(req.output_token_ids) - 1
-                req.draft_token_ids = drafts[: max(0, room)]
-                req.num_draft_proposed += len(req.draft_token_ids)
+            self._take_drafts(self.drafter.run(live))
         outputs = []
         for item, tokens in zip(scheduled, new_tokens):
             req = item.req
@@ -180,6 +178,25 @@ class LLMEngine:
             if req.status is RequestStatus.FINISHED:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _take_drafts(self, drafts: dict[str, list[int]] | DeviceDrafts) -> None:
+        """Each proposing request verifies min(k, room) drafts next step (room: outputs it may still
+        emit beyond the one a verify always adds); device drafts stay pending until the next read_back."""
+        def room(req: Request) -> int:
+            return max(0, req.params.max_tokens - len(req.output_token_ids) - 1)
+
+        if isinstance(drafts, DeviceDrafts):
+            reqs = [self.requests[rid] for rid in drafts.request_ids]
+            for req in reqs:
+                req.draft_token_ids = []
+                req.num_draft_tokens = min(drafts.tokens.shape[1], room(req))
+                req.num_draft_proposed += req.num_draft_tokens
+            self.pending_drafts.set(drafts, reqs)
+            return
+        for rid, tokens in drafts.items():
+            req = self.requests[rid]
+            req.set_drafts(tokens[: room(req)])
+            req.num_draft_proposed += req.num_draft_tokens
 
     def _wants_drafts(self, req: Request) -> bool:
         return self.speculative and req.params.greedy and not req.params.shapes_logits
@@ -236,7 +253,7 @@ class LLMEngine:
         else:
             accepted = 0
             proposal = [self._sample(req, logits, index)]
-        req.draft_token_ids = []
+        req.set_drafts([])
         self.cache.record_hidden(req, n, hidden, row, accepted + 1)
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))

@@ -7,17 +7,22 @@ from __future__ import annotations
 import torch
 
 from workers.engine.cache_manager import EngineCacheManager
+from workers.engine.drafter import PendingDrafts
 from workers.engine.scheduler import ChunkKind, ScheduledChunk
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 
 
-def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager) -> ForwardBatch:
+def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager,
+                pending: PendingDrafts | None = None) -> ForwardBatch:
     """One ForwardBatch over every scheduled chunk, in order. Each prefill row is counted on its
     request (`num_computed_prompt_tokens`) and in the batch (`num_prompt_tokens`); a recompute after a
-    preemption counts again."""
+    preemption counts again. Drafts whose values are still on the device (`pending`) are written into
+    the input ids there (one gather and one scatter for the step, no read-back)."""
     ids: list[int] = []
     chunks = []
     num_prompt = 0
+    fill_rows: list[int] = []  # rows of input_ids taking pending drafts
+    fill_from: list[int] = []  # their positions in pending.tokens.flatten()
     for item in scheduled:
         req, n, m = item.req, item.req.num_computed_tokens, item.num_new_tokens
         if item.kind is ChunkKind.PREFILL:  # past the prompt only when resuming after a preemption
@@ -25,13 +30,25 @@ def build_batch(scheduled: list[ScheduledChunk], cache: EngineCacheManager) -> F
             ids.extend(known[n : n + m])
             req.num_computed_prompt_tokens += m
             num_prompt += m
+        elif req.has_pending_drafts:
+            ids.append(req.output_token_ids[-1])
+            first = pending.flat_index(req)
+            fill_rows.extend(range(len(ids), len(ids) + req.num_draft_tokens))
+            fill_from.extend(range(first, first + req.num_draft_tokens))
+            ids.extend([0] * req.num_draft_tokens)
         else:
             ids.append(req.output_token_ids[-1])
             ids.extend(req.draft_token_ids)
         per_token = cache.verify_pages(req, m) if item.kind is ChunkKind.VERIFY else None
         chunks.append(SeqChunk(n, m, cache.block_table(req), cache.state_page(req), per_token))
     id_range = cache.block_tables.id_range([item.req.request_id for item in scheduled])
-    return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt, id_range)
+    if not fill_rows:
+        return ForwardBatch(torch.tensor(ids, dtype=torch.long), tuple(chunks), num_prompt, id_range)
+    device = pending.tokens.device
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    drafts = pending.tokens.view(-1).index_select(0, torch.tensor(fill_from, device=device))
+    input_ids.index_copy_(0, torch.tensor(fill_rows, device=device), drafts)
+    return ForwardBatch(input_ids, tuple(chunks), num_prompt, id_range)
 
 
 class StepLogits:
@@ -39,9 +56,10 @@ class StepLogits:
 
     `rows`: [num_rows, vocab] float32 (None when no chunk samples); chunk i's rows are
     `rows[spans[i][0] : spans[i][1]]` (span None: the chunk samples nothing). `argmax`: the index of
-    each row's first maximum (torch.argmax's tie rule, as `Sampler.sample` uses), read back with one
-    `.tolist()` for the whole step at its first use: greedy requests without logit shaping and verify
-    chunks take their tokens from it instead of one argmax and one device read per request."""
+    each row's first maximum (torch.argmax's tie rule, as `Sampler.sample` uses). `read_back` copies
+    the step's device results to the host at once: every row's argmax and the pending drafts (the
+    step's one device -> host copy); greedy requests without logit shaping and verify chunks take
+    their tokens from it instead of one argmax and one device read per request."""
 
     __slots__ = ("rows", "spans", "_argmax")
 
@@ -49,11 +67,22 @@ class StepLogits:
         self.rows, self.spans = rows, spans
         self._argmax: list[int] | None = None
 
+    def read_back(self, pending: PendingDrafts | None = None) -> None:
+        """One `.tolist()` of [every row's argmax, the pending drafts' tokens]; the drafts are delivered
+        to their requests (nothing is pending afterwards). Nothing to read: no copy at all."""
+        parts = [] if self.rows is None else [torch.argmax(self.rows, dim=-1)]
+        if pending:
+            parts.append(pending.tokens.flatten())
+        values = torch.cat(parts).tolist() if parts else []
+        num_rows = 0 if self.rows is None else self.rows.shape[0]
+        self._argmax = values[:num_rows]
+        if pending:
+            pending.deliver(values[num_rows:])
+
     @property
     def argmax(self) -> list[int]:
-        """Every row's argmax, computed at the first read (a step of sampled requests only needs none)."""
-        if self._argmax is None:
-            self._argmax = [] if self.rows is None else torch.argmax(self.rows, dim=-1).tolist()
+        """Every row's argmax (read_back first)."""
+        assert self._argmax is not None, "StepLogits.read_back was not called"
         return self._argmax
 
     def of(self, i: int) -> torch.Tensor:
