@@ -27,7 +27,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
+from workers.engine.sampling import Sampler, SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
 from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
@@ -154,7 +154,7 @@ class LLMEngine:
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
         hidden = self.model.forward(batch, self.caches)  # [T, hidden]
         logits = sampling_logits(self.model, scheduled, hidden)
-        logits.read_back(self.pending_drafts)  # the step's device -> host copy: argmax rows + drafts
+        logits.read_back(self.pending_drafts, scheduled)  # the step's device -> host copy
         new_tokens: list[list[int]] = []
         draft_inputs: list[DraftInput] = []
         row = 0
@@ -268,7 +268,7 @@ class LLMEngine:
         """The token chunk `index` samples from its first sampling row."""
         if req.sampler.is_argmax:  # the step's batched argmax: no per-request tensor op
             return logits.argmax_of(index)[0]
-        return req.sampler.sample(logits.of(index)[0], req.prompt_token_ids, req.output_token_ids)
+        return logits.samples.tokens_of[index]  # sampled on the device before the step's read-back
 
     def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
         """Keep the Mamba states at the last two alignment boundaries passed while decoding
@@ -285,17 +285,17 @@ class LLMEngine:
 
     def _emit(self, req: Request, tokens: list[int], logits: StepLogits, index: int) -> list[int]:
         """Append sampled tokens, stopping at a stop token or the length limit; row i of chunk
-        `index`'s logits is the row `tokens[i]` was chosen from (read for the request's logprobs)."""
+        `index`'s logits is the row `tokens[i]` was chosen from (its logprobs: logits.samples)."""
         out = []
         stops = req.sampler.stop_token_ids  # the request's stop ids and, unless ignore_eos, the model's EOS
         num_logprobs = req.params.logprobs
-        rows = logits.of(index) if num_logprobs is not None else None
+        logprobs = logits.samples.logprobs_of[index] if num_logprobs is not None else None
         reason = None
         for i, t in enumerate(tokens):
             out.append(t)
             req.output_token_ids.append(t)
-            if rows is not None:
-                req.output_logprobs.append(token_logprobs(rows[i], t, num_logprobs))
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])  # row i's emitted token's, computed before the read-back
             if t in stops:
                 reason = FinishReason.STOP
                 break

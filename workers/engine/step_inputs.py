@@ -9,6 +9,7 @@ import torch
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.drafter import PendingDrafts
 from workers.engine.scheduler import ChunkKind, ScheduledChunk
+from workers.engine.step_samples import StepSamples
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 
 
@@ -61,23 +62,28 @@ class StepLogits:
     step's one device -> host copy); greedy requests without logit shaping and verify chunks take
     their tokens from it instead of one argmax and one device read per request."""
 
-    __slots__ = ("rows", "spans", "_argmax")
+    __slots__ = ("rows", "spans", "_argmax", "samples")
 
     def __init__(self, rows: torch.Tensor | None, spans: list[tuple[int, int] | None]) -> None:
         self.rows, self.spans = rows, spans
         self._argmax: list[int] | None = None
+        self.samples: StepSamples | None = None
 
-    def read_back(self, pending: PendingDrafts | None = None) -> None:
-        """One `.tolist()` of [every row's argmax, the pending drafts' tokens]; the drafts are delivered
-        to their requests (nothing is pending afterwards). Nothing to read: no copy at all."""
-        parts = [] if self.rows is None else [torch.argmax(self.rows, dim=-1)]
+    def read_back(self, pending: PendingDrafts | None = None, scheduled: list[ScheduledChunk] = ()) -> None:
+        """The step's one device -> host copy (a single `.tolist()`): every row's argmax, the pending
+        drafts' tokens (delivered to their requests: nothing is pending afterwards) and the `samples`
+        of the `scheduled` chunks that need more than the argmax (StepSamples: sampled tokens, logprobs).
+        Nothing to read: no copy at all."""
+        argmax = None if self.rows is None else torch.argmax(self.rows, dim=-1)  # [num_rows]
+        self.samples = StepSamples(scheduled, self.spans, self.rows, argmax)
+        parts = ([] if argmax is None else [argmax]) + ([pending.tokens.flatten()] if pending else [])
+        num_own = len(parts)
+        parts += self.samples.device_parts()
+        values = _read_together(parts)
+        self._argmax = values[0] if argmax is not None else []
         if pending:
-            parts.append(pending.tokens.flatten())
-        values = torch.cat(parts).tolist() if parts else []
-        num_rows = 0 if self.rows is None else self.rows.shape[0]
-        self._argmax = values[:num_rows]
-        if pending:
-            pending.deliver(values[num_rows:])
+            pending.deliver(values[num_own - 1])
+        self.samples.deliver(values[num_own:])
 
     @property
     def argmax(self) -> list[int]:
@@ -96,6 +102,22 @@ class StepLogits:
         span = self.spans[i]
         assert span is not None, f"chunk {i} samples nothing this step"
         return self.argmax[span[0] : span[1]]
+
+
+def _read_together(parts: list[torch.Tensor]) -> list[list]:
+    """Each tensor's values as a list, read with ONE `.tolist()` (float64 when any part is floating:
+    int64 token ids below 2**53 and float32 values convert exactly; integer parts come back as ints)."""
+    if not parts:
+        return []
+    floating = any(p.is_floating_point() for p in parts)
+    flat = torch.cat([p.flatten().to(torch.float64) for p in parts] if floating else [p.flatten() for p in parts])
+    values = flat.tolist()
+    out, start = [], 0
+    for p in parts:
+        chunk = values[start : start + p.numel()]
+        out.append([int(v) for v in chunk] if floating and not p.is_floating_point() else chunk)
+        start += p.numel()
+    return out
 
 
 def sampling_logits(model, scheduled: list[ScheduledChunk], hidden: torch.Tensor) -> StepLogits:
