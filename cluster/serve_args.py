@@ -30,6 +30,7 @@ SETTINGS = {
     "enable_prefix_caching": "engine.enable_prefix_caching",
     "max_num_seqs": "engine.max_num_seqs",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "cuda_graphs": "engine.cuda_graphs",
 }
 
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step, decodes first (engine.max_num_batched_tokens)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached prefixes (engine.enable_prefix_caching)")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], help="decode steps as CUDA graphs (engine.cuda_graphs)")
     p.add_argument("--chat-template", help="a Jinja chat template file or inline string (model.chat_template)")
     p.add_argument("--version", action="version", version=f"hybridserve {VERSION}")
     return p

@@ -31,13 +31,16 @@ from workers.engine.sampling import Sampler, SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
 from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
+from workers.model.decode_graphs import CudaGraphBackend, decode_graphs_for
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, *, drafter: Drafter | None = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, graph_backend=None) -> None:
+        """`graph_backend`: replay decode steps through graphs with this backend (decode_graphs.py; tests
+        pass EagerReplay on the CPU); None: CudaGraphBackend when `config.cuda_graphs` is on, else eager."""
         self.model = model
         self.config = config
         mconf = model.config
@@ -47,8 +50,10 @@ class LLMEngine:
         if config.num_spec_tokens > 0 and not self.speculative:
             log.info("checkpoint has no MTP head: speculative decoding disabled")
         num_kv_blocks, num_slots = size_pools(model, config, self.speculative)
+        graphs = graph_backend is not None or config.cuda_graphs == "on"
+        # with graphs, one KV block and one state slot past the pools: the padding rows' scratch pages
         self.caches = model.allocate_caches(
-            num_kv_blocks, config.kv_block_size, num_slots,
+            num_kv_blocks + graphs, config.kv_block_size, num_slots + graphs,
             num_draft_blocks=num_kv_blocks if self.speculative else 0,
             draft_block_size=config.kv_block_size if self.speculative else None,
         )
@@ -57,6 +62,11 @@ class LLMEngine:
             state_page_bytes=model.state_bytes_per_slot(),
         )
         self.scheduler = Scheduler(config, self.cache)
+        self.decode_graphs = None
+        if graphs:
+            self.decode_graphs = decode_graphs_for(
+                model, self.caches, graph_backend or CudaGraphBackend(), config.max_num_seqs, config.max_model_len,
+                scratch_block=num_kv_blocks, scratch_slot=num_slots)
         if self.speculative and drafter is None:
             drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table,
                                  self.cache.draft_tables.id_range)
@@ -152,7 +162,9 @@ class LLMEngine:
             return []
         batch = build_batch(scheduled, self.cache, self.pending_drafts)
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
-        hidden = self.model.forward(batch, self.caches)  # [T, hidden]
+        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # None: not a graph's
+        if hidden is None:
+            hidden = self.model.forward(batch, self.caches)  # [T, hidden]
         logits = sampling_logits(self.model, scheduled, hidden)
         logits.read_back(self.pending_drafts, scheduled)  # the step's device -> host copy
         new_tokens: list[list[int]] = []

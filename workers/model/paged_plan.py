@@ -42,6 +42,7 @@ class PagedPlan:
     read_slots: torch.Tensor  # int64 [n, S_max] (device)
     write_slots: torch.Tensor  # int64 [T] (device)
     positions: torch.Tensor  # int64 [T] (device): position of each new token in its sequence (RoPE)
+    fixed_groups: tuple[SdpaGroup, ...] | None = None  # set by build_padded_decode: the one static group
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device | str) -> PagedPlan:
@@ -63,6 +64,31 @@ class PagedPlan:
         writes = read[chunk_of_row, positions]  # [T]
         device = torch.device(device)
         return cls(num_new, num_total, read.to(device), writes.to(device), positions.to(device))
+
+    @classmethod
+    def build_padded_decode(cls, batch: ForwardBatch, block_size: int, device: torch.device | str,
+                            num_keys: int) -> PagedPlan:
+        """A plan of decode chunks only (one new token each) whose shapes depend on (n, num_keys) alone: keys
+        padded to `num_keys` (>= every chunk's total) and one SDPA group of all chunks, [n, 1, num_keys]
+        (a CUDA graph replays fixed shapes; masked keys add exact zeros to the softmax)."""
+        chunks = batch.chunks
+        num_total = tuple(c.num_total_tokens for c in chunks)
+        if any(c.num_new_tokens != 1 for c in chunks) or max(num_total) > num_keys:
+            raise ValueError(f"a padded decode plan needs 1-token chunks of at most {num_keys} positions")
+        n = len(chunks)
+        tables = batch.block_tables.to("cpu", torch.long)  # [n, max blocks]
+        pos = torch.arange(num_keys)  # [num_keys]
+        col = (pos // block_size).clamp(max=tables.shape[1] - 1)  # past a table: masked below
+        total = torch.tensor(num_total)  # [n]
+        read = (tables[:, col] * block_size + pos % block_size).masked_fill(pos[None] >= total[:, None], 0)
+        rows = torch.arange(n)
+        positions = total - 1  # [n]
+        writes = read[rows, positions]  # [n]
+        device = torch.device(device)
+        read = read.to(device)
+        group = SdpaGroup(rows[:, None].to(device), read, (pos[None] < total[:, None])[:, None, None, :].to(device),
+                          None, rows.to(device))
+        return cls((1,) * n, num_total, read, writes.to(device), positions.to(device), (group,))
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +113,8 @@ class PagedPlan:
 
     @cached_property
     def sdpa_groups(self) -> tuple[SdpaGroup, ...]:
+        if self.fixed_groups is not None:
+            return self.fixed_groups
         order = sorted(range(len(self.num_new)), key=lambda i: (self.num_new[i], self.num_total[i]))
         groups: list[list[int]] = []
         real = n_max = s_max = 0
