@@ -24,6 +24,7 @@ deterministic: a regression shows on every machine. Host -> device copies are no
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,8 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         o = self.owner
+        if o.num_paused:
+            return func(*args, **kwargs)
         o.ops[str(func.overloadpacket.__name__)] += 1
         if not o.in_read:
             if func is _aten._local_scalar_dense.default:
@@ -89,7 +92,7 @@ class _Function(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         o = self.owner
-        if func in _READ_METHODS and not o.in_read:
+        if func in _READ_METHODS and not o.in_read and not o.num_paused:
             o.syncs[f"Tensor.{func.__name__}"] += 1
             o.in_read = True
             try:
@@ -103,20 +106,37 @@ class HostCounter:
     """`with HostCounter() as c: ...` then `c.counts()`. Not re-entrant; slows the block down (count
     with it, time without it)."""
 
+    active: HostCounter | None = None  # the innermost counter now counting (for `as_one_call`)
+
     def __init__(self) -> None:
         self.ops: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
         self.in_read = False
+        self.num_paused = 0
         self._modes = (_Function(self), _Dispatch(self))
+        self._outer: HostCounter | None = None
 
     def __enter__(self) -> HostCounter:
         for mode in self._modes:
             mode.__enter__()
+        self._outer, HostCounter.active = HostCounter.active, self
         return self
 
     def __exit__(self, *exc) -> None:
+        HostCounter.active = self._outer
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+
+    @contextmanager
+    def as_one_call(self, name: str):
+        """Count everything inside as ONE operator call `name` and no sync: what the host issues for a
+        CUDA graph replay (the graph's kernels run on the device without host dispatch)."""
+        self.ops[name] += 1
+        self.num_paused += 1
+        try:
+            yield
+        finally:
+            self.num_paused -= 1
 
     def counts(self) -> HostCounts:
         return HostCounts(sum(self.ops.values()), sum(self.syncs.values()),
