@@ -47,10 +47,12 @@ def test_which_steps_qualify(tiny_model):
     def batch(*chunks):
         return ForwardBatch(torch.zeros(sum(c.num_new_tokens for c in chunks), dtype=torch.long), chunks)
 
-    assert graphs.buckets(batch(SeqChunk(20, 1, t, 0), SeqChunk(40, 1, t, 1), SeqChunk(5, 1, t, 2))) == (4, 64)
-    assert graphs.buckets(batch(SeqChunk(5, 1, t, 0))) == (1, 16)
+    assert graphs.buckets(batch(SeqChunk(20, 1, t, 0), SeqChunk(40, 1, t, 1), SeqChunk(5, 1, t, 2))) == (1, 4, 64)
+    assert graphs.buckets(batch(SeqChunk(5, 1, t, 0))) == (1, 1, 16)
     assert graphs.buckets(batch(SeqChunk(5, 2, t, 0))) is None  # a prefill chunk
-    assert graphs.buckets(batch(SeqChunk(5, 2, t, 0, (3, 4)))) is None  # a verify
+    assert graphs.buckets(batch(SeqChunk(5, 2, t, 0, (3, 4)), SeqChunk(9, 2, t, 1, (5, 6)))) == (2, 2, 16)  # verifies
+    assert graphs.buckets(batch(SeqChunk(5, 2, t, 0, (3, 4)), SeqChunk(9, 1, t, 1))) is None  # verify + decode
+    assert graphs.buckets(batch(SeqChunk(5, 3, t, 0, (3, 4, 5)), SeqChunk(9, 2, t, 1, (5, 6)))) is None  # lengths
     assert graphs.buckets(batch(SeqChunk(0, 1, t, 0))) is None  # fresh: its state would be zeroed
     assert graphs.buckets(batch(SeqChunk(64, 1, t, 0))) is None  # 65 positions: past the key buckets
     assert graphs.buckets(batch(*(SeqChunk(5, 1, t, s) for s in range(5)))) is None  # 5 rows > 4
@@ -62,9 +64,9 @@ def test_padded_inputs_equal_the_eager_plan_and_padding_touches_only_scratch(tin
     chunks = (SeqChunk(20, 1, torch.tensor([3, 1]), 4), SeqChunk(33, 1, torch.tensor([0, 5, 2]), 2),
               SeqChunk(3, 1, torch.tensor([8]), 0))
     batch = ForwardBatch(torch.tensor([11, 12, 13]), chunks)
-    ids, plan, slots = graphs.inputs(batch, 4, 64)
+    ids, plan, slots = graphs.inputs(batch, 1, 4, 64)
     eager = PagedPlan.build(batch, 16, "cpu")
-    assert ids.tolist() == [11, 12, 13, 0] and slots.tolist() == [4, 2, 0, 7]
+    assert ids.tolist() == [11, 12, 13, 0] and [s.tolist() for s in slots] == [[4, 2, 0, 7]]
     assert plan.write_slots[:3].tolist() == eager.write_slots.tolist()
     assert plan.write_slots[3].item() == 9 * 16 + 1  # the padding row writes position 1 of the scratch block
     assert plan.positions.tolist() == [*eager.positions.tolist(), 1]
@@ -75,17 +77,39 @@ def test_padded_inputs_equal_the_eager_plan_and_padding_touches_only_scratch(tin
         assert group.mask[i, 0, 0].tolist() == [True] * n + [False] * (64 - n)
         assert group.key_slots[i, :n].tolist() == eager.read_slots[i, :n].tolist()
     # a graph's static buffers hold exactly these inputs after a load
-    graph = graphs._capture(4, 64)
+    graph = graphs._capture(1, 4, 64)
     graph.load(ids, plan, slots)
-    assert torch.equal(graph.input_ids, ids) and torch.equal(graph.mamba_slots, slots)
+    assert torch.equal(graph.input_ids, ids) and torch.equal(graph.mamba_slots[0], slots[0])
     assert torch.equal(graph.plan.write_slots, plan.write_slots) and torch.equal(graph.plan.positions, plan.positions)
     assert torch.equal(graph.plan.sdpa_groups[0].key_slots, group.key_slots)
     assert torch.equal(graph.plan.sdpa_groups[0].mask, group.mask)
 
 
-def test_graph_step_equals_the_eager_forward(tiny_model):
-    """The same decode batch from the same cache state: hidden rows through the padded graph path equal
-    the eager forward's (up to the GEMM's row count), and the real pages end up the same."""
+def test_padded_verify_plan_equals_the_eager_plan():
+    chunks = (SeqChunk(20, 3, torch.tensor([3, 1]), 4, (5, 6, 1)),
+              SeqChunk(30, 3, torch.tensor([0, 5, 2]), 2, (3, 7, 0)))
+    batch = ForwardBatch(torch.arange(6), chunks)
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # only the padding and plan logic: no model needed
+    graphs.scratch_block, graphs.scratch_slot, graphs.block_size = 9, 8, 16
+    padded = graphs.pad(batch, 3, 4)
+    assert padded.input_ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0]
+    assert padded.chunks[2:] == padded.chunks[2:3] * 2 and padded.chunks[2].per_token_state_slots == (8, 8, 8)
+    plan = PagedPlan.build_padded_decode(padded, 16, "cpu", 64)
+    eager = PagedPlan.build(batch, 16, "cpu")
+    assert plan.write_slots[:6].tolist() == eager.write_slots.tolist()
+    assert plan.positions[:6].tolist() == eager.positions.tolist()
+    assert set(plan.write_slots[6:].tolist()) <= set(range(9 * 16, 10 * 16))  # padding: the scratch block only
+    (group,) = plan.sdpa_groups
+    assert group.mask.shape == (4, 1, 3, 64)
+    for i, c in enumerate(chunks):
+        for r in range(3):  # query r sees positions [0, context + r]
+            assert group.mask[i, 0, r].tolist() == [p <= c.num_context_tokens + r for p in range(64)]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_graph_step_equals_the_eager_forward(tiny_model, verify):
+    """The same decode (or verify) batch from the same cache state: hidden rows through the padded graph
+    path equal the eager forward's (up to the GEMM's row count), and the real pages end up the same."""
     g = torch.Generator().manual_seed(0)
     ref_caches, caches = tiny_model.allocate_caches(10, 16, 8), tiny_model.allocate_caches(10, 16, 8)
     for pools in ((ref_caches.conv, caches.conv), (ref_caches.ssm, caches.ssm)):
@@ -97,14 +121,17 @@ def test_graph_step_equals_the_eager_forward(tiny_model):
             a.copy_(torch.randn(a.shape, generator=g))
             b.copy_(a)
     chunks = (SeqChunk(20, 1, torch.tensor([3, 1]), 4), SeqChunk(33, 1, torch.tensor([0, 5, 2]), 2))
-    batch = ForwardBatch(torch.tensor([11, 12]), chunks)
+    if verify:
+        chunks = (SeqChunk(20, 3, torch.tensor([3, 1]), 4, (5, 6, 1)),
+                  SeqChunk(33, 3, torch.tensor([0, 5, 2]), 2, (3, 0, 2)))
+    batch = ForwardBatch(torch.arange(11, 11 + sum(c.num_new_tokens for c in chunks)), chunks)
     want = tiny_model.forward(batch, ref_caches)
     graphs = _graphs(tiny_model, caches)
     got = graphs.run(batch)
     assert got.shape == want.shape and graphs.num_replays == 1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for layer in ref_caches.ssm:
-        for slot in (4, 2, 0):
+        for slot in range(7):
             torch.testing.assert_close(caches.ssm[layer][slot], ref_caches.ssm[layer][slot], atol=1e-6, rtol=1e-5)
 
 

@@ -1,19 +1,22 @@
-"""CUDA graphs for decode steps, one per (batch-size bucket, key-length bucket), as vLLM captures them.
+"""CUDA graphs for decode and verify steps, one per (chunk length, batch-size bucket, key-length bucket), as
+vLLM captures them.
 
 A decode step's host cost on a GPU is hundreds of kernel launches (every layer's ops); a graph replays
 them as one launch. A graph replays fixed shapes and addresses, so a step is padded to its buckets:
 
-    batch    n real decodes -> B = the smallest batch bucket >= n; rows n..B-1 are padding chunks
-             (context 1, block table [scratch block], state slot the scratch slot): they read and write
-             only a KV block and a Mamba state slot no request owns, and their outputs are dropped
+    length   every chunk L new tokens: decodes (L = 1) or MTP verifies (L = 1 + k, per-token state slots)
+    batch    n real chunks -> B = the smallest batch bucket >= n; chunks n..B-1 are padding (context 1,
+             block table [scratch block], every state slot the scratch slot): they read and write only a
+             KV block and a Mamba state slot no request owns, and their outputs are dropped
     keys     every chunk's positions -> S = the smallest key bucket >= the longest; one SDPA group
-             [B, 1, S] with masked padding keys (PagedPlan.build_padded_decode)
+             [B, L, S] with masked padding keys (PagedPlan.build_padded_decode)
 
-Each (B, S) graph owns static copies of the step inputs (input ids, the attention plan's slots / mask,
+Each (L, B, S) graph owns static copies of the step inputs (input ids, the attention plan's slots / mask,
 the Mamba slots); a step builds its plan on the host as usual, copies it into the static buffers and
 replays. Capture happens at a bucket's first use, with every row pointing at the scratch pages (the
-warm-up run writes only there). Steps that do not qualify run eagerly: prefill or verify chunks, a fresh
-(context 0) chunk, more decodes or positions than the largest bucket.
+warm-up run writes only there). Steps that do not qualify run eagerly: prefill chunks, chunks of
+different lengths (decodes next to verifies, a verify cut short near max_tokens), a fresh (context 0)
+chunk, more chunks or positions than the largest bucket. The MTP head's draft forwards run eagerly.
 
 Backends: `CudaGraphBackend` (torch.cuda.CUDAGraph, one memory pool) and, for CPU tests, `EagerReplay`,
 which "replays" by calling the captured function again on the static buffers: the same padding, buckets
@@ -30,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.model.forward_batch import ForwardBatch, SeqChunk
+from workers.model.forward_batch import ForwardBatch, SeqChunk, VerifyGroup
 from workers.model.mamba_plan import DecodePlan, MambaPlan
 from workers.model.paged_plan import PagedPlan
 
@@ -100,13 +103,13 @@ class CudaGraphBackend:
 class _Graph:
     """One captured bucket: static inputs, the static output, and the replay."""
 
-    input_ids: torch.Tensor  # int64 [B]
+    input_ids: torch.Tensor  # int64 [B * L]
     plan: PagedPlan | None
-    mamba_slots: torch.Tensor | None  # int64 [B]
+    mamba_slots: tuple[torch.Tensor, ...]  # decode: (slots [B],); verify: (state slots [B], token slots [B * L])
     replay: Callable[[], None]
-    output: torch.Tensor  # [B, hidden]
+    output: torch.Tensor  # [B * L, hidden]
 
-    def load(self, input_ids: torch.Tensor, plan: PagedPlan | None, mamba_slots: torch.Tensor | None) -> None:
+    def load(self, input_ids: torch.Tensor, plan: PagedPlan | None, mamba_slots: tuple[torch.Tensor, ...]) -> None:
         """Copy one step's inputs into the static buffers (same shapes: the same buckets)."""
         self.input_ids.copy_(input_ids)
         if plan is not None:
@@ -114,12 +117,12 @@ class _Graph:
             for dst_t, src_t in ((self.plan.write_slots, plan.write_slots), (self.plan.positions, plan.positions),
                                  (g.key_slots, src.key_slots), (g.mask, src.mask)):
                 dst_t.copy_(src_t)
-        if mamba_slots is not None:
-            self.mamba_slots.copy_(mamba_slots)
+        for dst_t, src_t in zip(self.mamba_slots, mamba_slots):
+            dst_t.copy_(src_t)
 
 
 class DecodeGraphs:
-    """Decode steps of `model` over `caches` through graphs (see the module docstring)."""
+    """Decode and verify steps of `model` over `caches` through graphs (see the module docstring)."""
 
     def __init__(self, model, caches, backend, batch_buckets: tuple[int, ...], key_buckets: tuple[int, ...],
                  scratch_block: int, scratch_slot: int) -> None:
@@ -128,42 +131,50 @@ class DecodeGraphs:
         self.batch_buckets, self.key_buckets = tuple(sorted(batch_buckets)), tuple(sorted(key_buckets))
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         self.block_size = caches.kv_block_size
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.num_replays = 0
         log.info("decode graphs (%s): batch buckets %s, key buckets %s", backend.name, self.batch_buckets,
                  self.key_buckets)
 
-    def buckets(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """(B, S) for a batch a graph can run, else None (it runs eagerly)."""
+    def buckets(self, batch: ForwardBatch) -> tuple[int, int, int] | None:
+        """(L, B, S) for a batch a graph can run, else None (it runs eagerly): every chunk L new tokens
+        on context > 0, decodes (L = 1, no per-token slots) or verifies (L > 1, per-token slots)."""
         chunks = batch.chunks
-        if any(c.num_new_tokens != 1 or c.num_context_tokens == 0 or c.per_token_state_slots is not None
-               for c in chunks):
-            return None
+        length = chunks[0].num_new_tokens
+        for c in chunks:
+            if c.num_new_tokens != length or c.num_context_tokens == 0 or \
+                    (c.per_token_state_slots is None) != (length == 1):
+                return None
         b = bucket_for(len(chunks), self.batch_buckets)
         s = bucket_for(max(c.num_total_tokens for c in chunks), self.key_buckets)
-        return None if b is None or s is None else (b, s)
+        return None if b is None or s is None else (length, b, s)
 
-    def pad(self, batch: ForwardBatch, num_rows: int) -> ForwardBatch:
-        """The batch with num_rows - n padding decodes on the scratch pages appended (not validated:
-        they share the scratch slot)."""
-        extra = num_rows - len(batch.chunks)
-        table = torch.tensor([self.scratch_block])
-        padding = tuple(SeqChunk(1, 1, table, self.scratch_slot) for _ in range(extra))
-        pad_ids = torch.zeros(extra, dtype=torch.long, device=batch.input_ids.device)
+    def pad(self, batch: ForwardBatch, length: int, num_chunks: int) -> ForwardBatch:
+        """The batch with num_chunks - n padding chunks of `length` tokens on the scratch pages appended
+        (not validated: they share the scratch slot)."""
+        extra = num_chunks - len(batch.chunks)
+        table = torch.tensor([self.scratch_block] * -(-(1 + length) // self.block_size))
+        per_token = None if length == 1 else (self.scratch_slot,) * length
+        padding = tuple(SeqChunk(1, length, table, self.scratch_slot, per_token) for _ in range(extra))
+        pad_ids = torch.zeros(extra * length, dtype=torch.long, device=batch.input_ids.device)
         ids = torch.cat([batch.input_ids, pad_ids]) if extra else batch.input_ids
         return replace(batch, input_ids=ids, chunks=batch.chunks + padding, block_id_range=None)
 
-    def inputs(self, batch: ForwardBatch, num_rows: int, num_keys: int):
-        """The static-shaped inputs of a padded step: (input_ids [B], plan, mamba slots [B])."""
-        padded = self.pad(batch, num_rows)
+    def inputs(self, batch: ForwardBatch, length: int, num_chunks: int, num_keys: int):
+        """The static-shaped inputs of a padded step: (input_ids [B * L], plan, Mamba slot tensors)."""
+        padded = self.pad(batch, length, num_chunks)
         device = self.model.device
         plan = PagedPlan.build_padded_decode(padded, self.block_size, device, num_keys) if self.caches.kv else None
-        slots = torch.tensor([c.state_slot for c in padded.chunks], device=device) if self.caches.conv else None
+        slots: tuple[torch.Tensor, ...] = ()
+        if self.caches.conv:
+            slots = (torch.tensor([c.state_slot for c in padded.chunks], device=device),)
+            if length > 1:
+                slots += (torch.tensor([s for c in padded.chunks for s in c.per_token_state_slots], device=device),)
         return padded.input_ids.to(device), plan, slots
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a qualifying decode batch through its bucket's graph (captured
-        at first use), or None: the caller runs the model eagerly."""
+        """Hidden states [T, hidden] of a qualifying batch through its bucket's graph (captured at first
+        use), or None: the caller runs the model eagerly."""
         key = self.buckets(batch)
         if key is None:
             return None
@@ -172,20 +183,25 @@ class DecodeGraphs:
         graph.load(*self.inputs(batch, *key))
         graph.replay()
         self.num_replays += 1
-        return graph.output[: len(batch.chunks)]
+        return graph.output[: batch.num_tokens]
 
-    def _capture(self, num_rows: int, num_keys: int) -> _Graph:
+    def _capture(self, length: int, num_chunks: int, num_keys: int) -> _Graph:
         scratch = ForwardBatch(torch.zeros(0, dtype=torch.long), ())
-        ids, plan, slots = self.inputs(scratch, num_rows, num_keys)  # every row on the scratch pages
-        mamba_plan = MambaPlan(DecodePlan(slice(0, num_rows), slots, None), (), None) if slots is not None else None
+        ids, plan, slots = self.inputs(scratch, length, num_chunks, num_keys)  # every row on the scratch pages
+        mamba_plan = None
+        if length == 1 and slots:
+            mamba_plan = MambaPlan(DecodePlan(slice(0, num_chunks), slots[0], None), (), None)
+        elif slots:
+            group = VerifyGroup(num_chunks, length, slice(0, num_chunks * length), slots[0], slots[1], ())
+            mamba_plan = MambaPlan(None, (group,), None)
 
         def forward() -> torch.Tensor:
             return self.model.forward_planned(ids, plan, mamba_plan, self.caches)
 
         replay, output = self.backend.capture(forward)
         graph = _Graph(ids, plan, slots, replay, output)
-        self.graphs[(num_rows, num_keys)] = graph
-        log.info("captured a decode graph for %d rows x %d keys", num_rows, num_keys)
+        self.graphs[(length, num_chunks, num_keys)] = graph
+        log.info("captured a graph for %d chunks x %d tokens x %d keys", num_chunks, length, num_keys)
         return graph
 
 

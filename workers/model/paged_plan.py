@@ -68,27 +68,29 @@ class PagedPlan:
     @classmethod
     def build_padded_decode(cls, batch: ForwardBatch, block_size: int, device: torch.device | str,
                             num_keys: int) -> PagedPlan:
-        """A plan of decode chunks only (one new token each) whose shapes depend on (n, num_keys) alone: keys
-        padded to `num_keys` (>= every chunk's total) and one SDPA group of all chunks, [n, 1, num_keys]
-        (a CUDA graph replays fixed shapes; masked keys add exact zeros to the softmax)."""
+        """A plan of chunks of one common length L (decodes: 1, verifies: 1 + drafts) whose shapes depend
+        on (n, L, num_keys) alone: keys padded to `num_keys` (>= every chunk's total) and one SDPA group of
+        all chunks, [n, L, num_keys] (a CUDA graph replays fixed shapes; masked keys add exact zeros)."""
         chunks = batch.chunks
+        length = chunks[0].num_new_tokens
         num_total = tuple(c.num_total_tokens for c in chunks)
-        if any(c.num_new_tokens != 1 for c in chunks) or max(num_total) > num_keys:
-            raise ValueError(f"a padded decode plan needs 1-token chunks of at most {num_keys} positions")
+        if any(c.num_new_tokens != length for c in chunks) or max(num_total) > num_keys:
+            raise ValueError(f"a padded plan needs chunks of one length and at most {num_keys} positions")
         n = len(chunks)
         tables = batch.block_tables.to("cpu", torch.long)  # [n, max blocks]
         pos = torch.arange(num_keys)  # [num_keys]
         col = (pos // block_size).clamp(max=tables.shape[1] - 1)  # past a table: masked below
         total = torch.tensor(num_total)  # [n]
         read = (tables[:, col] * block_size + pos % block_size).masked_fill(pos[None] >= total[:, None], 0)
-        rows = torch.arange(n)
-        positions = total - 1  # [n]
-        writes = read[rows, positions]  # [n]
+        r = torch.arange(length)  # [L]
+        q_pos = (total - length)[:, None] + r  # [n, L]
+        rows = torch.arange(n * length)  # [n * L]
+        writes = read[rows // length, q_pos.flatten()]  # [n * L]
+        mask = pos[None, None] <= q_pos[..., None]  # [n, L, num_keys]: causal, bottom-right aligned
         device = torch.device(device)
         read = read.to(device)
-        group = SdpaGroup(rows[:, None].to(device), read, (pos[None] < total[:, None])[:, None, None, :].to(device),
-                          None, rows.to(device))
-        return cls((1,) * n, num_total, read, writes.to(device), positions.to(device), (group,))
+        group = SdpaGroup(rows.view(n, length).to(device), read, mask[:, None].to(device), None, rows.to(device))
+        return cls((length,) * n, num_total, read, writes.to(device), q_pos.flatten().to(device), (group,))
 
     @property
     def device(self) -> torch.device:
