@@ -135,6 +135,32 @@ def test_graph_step_equals_the_eager_forward(tiny_model, verify):
             torch.testing.assert_close(caches.ssm[layer][slot], ref_caches.ssm[layer][slot], atol=1e-6, rtol=1e-5)
 
 
+def test_draft_graph_step_equals_the_eager_mtp_forward(tiny_model):
+    """The MTP head's 1-token draft steps through a draft graph (prev hidden as a static input, the draft
+    pool's scratch block): equal to its eager forward, the draft KV written alike."""
+    g = torch.Generator().manual_seed(2)
+    ref_caches = tiny_model.allocate_caches(10, 16, 8, num_draft_blocks=10, draft_block_size=16)
+    caches = tiny_model.allocate_caches(10, 16, 8, num_draft_blocks=10, draft_block_size=16)
+    for layer in ref_caches.draft_kv:
+        for a, b in zip(ref_caches.draft_kv[layer], caches.draft_kv[layer]):
+            a.copy_(torch.randn(a.shape, generator=g))
+            b.copy_(a)
+    chunks = (SeqChunk(20, 1, torch.tensor([3, 1]), 0), SeqChunk(33, 1, torch.tensor([0, 5, 2]), 0),
+              SeqChunk(7, 1, torch.tensor([4]), 0))
+    batch = ForwardBatch(torch.tensor([5, 6, 7]), chunks)
+    prev = torch.randn(3, tiny_model.config.hidden_size, generator=g)
+    want = tiny_model.mtp.forward(prev, batch, ref_caches)
+    graphs = DecodeGraphs(tiny_model.mtp, caches, EagerReplay(), (1, 2, 4), (16, 32, 64), 9, 7, draft=True)
+    assert graphs.buckets(batch) == (1, 4, 64)
+    got = graphs.run(batch, prev)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer in ref_caches.draft_kv:
+        for a, b in zip(ref_caches.draft_kv[layer], caches.draft_kv[layer]):
+            torch.testing.assert_close(a[:9], b[:9], atol=1e-6, rtol=1e-5)  # block 9: the scratch
+    with pytest.raises(ValueError, match="prev_hidden"):
+        graphs.run(batch)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_engine_with_graphs_equals_eager_and_warm_equals_cold(tiny_model, k):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -145,5 +171,8 @@ def test_engine_with_graphs_equals_eager_and_warm_equals_cold(tiny_model, k):
     cold = engine.generate(prompts, params)
     warm = engine.generate(prompts, params)
     assert engine.decode_graphs.num_replays > 0
+    if k:  # verify steps and the draft chain's steps went through graphs too
+        assert any(key[0] == k + 1 for key in engine.decode_graphs.graphs)
+        assert engine.drafter.graphs.num_replays > 0
     assert [o.token_ids for o in cold] == [o.token_ids for o in eager] == [o.token_ids for o in warm]
     assert all(o.num_cached_tokens > 0 for o in warm)

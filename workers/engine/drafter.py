@@ -60,6 +60,7 @@ class MTPDrafter:
         self.num_spec_tokens = num_spec_tokens
         self._table = table_of
         self._id_range = id_range_of
+        self.graphs = None  # decode_graphs.DecodeGraphs(draft=True) for the chain's 1-token steps (engine-set)
 
     @torch.inference_mode()
     def run(self, inputs: list[DraftInput]) -> dict[str, list[int]] | DeviceDrafts:
@@ -92,7 +93,9 @@ class MTPDrafter:
                 self._chunk(i.start + len(i.next_token_ids) - 1 + j, 1, table, 0)
                 for i, table in zip(proposing, tables)
             ]
-            h = self.model.mtp.forward(h, self._batch(tokens, tuple(chunks), 0, id_range), self.caches)
+            batch = self._batch(tokens, tuple(chunks), 0, id_range)
+            out = self.graphs.run(batch, h) if self.graphs is not None else None  # None: not a graph's
+            h = out if out is not None else self.model.mtp.forward(h, batch, self.caches)
             tokens = torch.argmax(self.model.compute_logits(h), dim=-1)
             chain.append(tokens)
         # [b, k] left on the device: read with the next step's sampled tokens

@@ -31,7 +31,7 @@ from workers.engine.sampling import Sampler, SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
 from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
-from workers.model.decode_graphs import CudaGraphBackend, decode_graphs_for
+from workers.model.decode_graphs import CudaGraphBackend, DecodeGraphs, decode_graphs_for
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class LLMEngine:
         # with graphs, one KV block and one state slot past the pools: the padding rows' scratch pages
         self.caches = model.allocate_caches(
             num_kv_blocks + graphs, config.kv_block_size, num_slots + graphs,
-            num_draft_blocks=num_kv_blocks if self.speculative else 0,
+            num_draft_blocks=num_kv_blocks + graphs if self.speculative else 0,
             draft_block_size=config.kv_block_size if self.speculative else None,
         )
         self.cache = EngineCacheManager(
@@ -70,6 +70,10 @@ class LLMEngine:
         if self.speculative and drafter is None:
             drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table,
                                  self.cache.draft_tables.id_range)
+            if self.decode_graphs is not None:  # the draft chain's 1-token steps too (scratch: the draft pool's last)
+                g = self.decode_graphs
+                drafter.graphs = DecodeGraphs(model.mtp, self.caches, g.backend, g.batch_buckets, g.key_buckets,
+                                              scratch_block=num_kv_blocks, scratch_slot=num_slots, draft=True)
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once

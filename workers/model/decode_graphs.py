@@ -104,14 +104,19 @@ class _Graph:
     """One captured bucket: static inputs, the static output, and the replay."""
 
     input_ids: torch.Tensor  # int64 [B * L]
+    prev_hidden: torch.Tensor | None  # [B * L, hidden]: the MTP head's second input (draft graphs)
     plan: PagedPlan | None
     mamba_slots: tuple[torch.Tensor, ...]  # decode: (slots [B],); verify: (state slots [B], token slots [B * L])
     replay: Callable[[], None]
     output: torch.Tensor  # [B * L, hidden]
 
-    def load(self, input_ids: torch.Tensor, plan: PagedPlan | None, mamba_slots: tuple[torch.Tensor, ...]) -> None:
-        """Copy one step's inputs into the static buffers (same shapes: the same buckets)."""
+    def load(self, input_ids: torch.Tensor, plan: PagedPlan | None, mamba_slots: tuple[torch.Tensor, ...],
+             prev_hidden: torch.Tensor | None = None) -> None:
+        """Copy one step's inputs into the static buffers (same shapes: the same buckets; prev_hidden: the
+        real rows only, padding rows keep what they hold)."""
         self.input_ids.copy_(input_ids)
+        if prev_hidden is not None:
+            self.prev_hidden[: prev_hidden.shape[0]].copy_(prev_hidden)
         if plan is not None:
             g, src = self.plan.sdpa_groups[0], plan.sdpa_groups[0]
             for dst_t, src_t in ((self.plan.write_slots, plan.write_slots), (self.plan.positions, plan.positions),
@@ -125,12 +130,17 @@ class DecodeGraphs:
     """Decode and verify steps of `model` over `caches` through graphs (see the module docstring)."""
 
     def __init__(self, model, caches, backend, batch_buckets: tuple[int, ...], key_buckets: tuple[int, ...],
-                 scratch_block: int, scratch_slot: int) -> None:
-        """`scratch_block` / `scratch_slot`: a KV block and a state slot of `caches` that no request uses."""
-        self.model, self.caches, self.backend = model, caches, backend
+                 scratch_block: int, scratch_slot: int, draft: bool = False) -> None:
+        """`model`: the target (HybridForCausalLM) or, with `draft`, its MTP head (1-token draft steps over
+        the draft KV pool, with the previous hidden states as a second input). `scratch_block` /
+        `scratch_slot`: a KV block (of the draft pool with `draft`) and a state slot no request uses."""
+        self.model, self.caches, self.backend, self.draft = model, caches, backend, draft
         self.batch_buckets, self.key_buckets = tuple(sorted(batch_buckets)), tuple(sorted(key_buckets))
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
-        self.block_size = caches.kv_block_size
+        self.block_size = caches.draft_block_size if draft else caches.kv_block_size
+        self.has_attention = bool(caches.draft_kv if draft else caches.kv)
+        self.has_mamba = bool(caches.conv) and not draft
+        self.device = next(model.parameters()).device
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.num_replays = 0
         log.info("decode graphs (%s): batch buckets %s, key buckets %s", backend.name, self.batch_buckets,
@@ -141,9 +151,11 @@ class DecodeGraphs:
         on context > 0, decodes (L = 1, no per-token slots) or verifies (L > 1, per-token slots)."""
         chunks = batch.chunks
         length = chunks[0].num_new_tokens
+        if self.draft and length != 1:
+            return None
         for c in chunks:
             if c.num_new_tokens != length or c.num_context_tokens == 0 or \
-                    (c.per_token_state_slots is None) != (length == 1):
+                    (not self.draft and (c.per_token_state_slots is None) != (length == 1)):
                 return None
         b = bucket_for(len(chunks), self.batch_buckets)
         s = bucket_for(max(c.num_total_tokens for c in chunks), self.key_buckets)
@@ -163,24 +175,26 @@ class DecodeGraphs:
     def inputs(self, batch: ForwardBatch, length: int, num_chunks: int, num_keys: int):
         """The static-shaped inputs of a padded step: (input_ids [B * L], plan, Mamba slot tensors)."""
         padded = self.pad(batch, length, num_chunks)
-        device = self.model.device
-        plan = PagedPlan.build_padded_decode(padded, self.block_size, device, num_keys) if self.caches.kv else None
+        device = self.device
+        plan = PagedPlan.build_padded_decode(padded, self.block_size, device, num_keys) if self.has_attention else None
         slots: tuple[torch.Tensor, ...] = ()
-        if self.caches.conv:
+        if self.has_mamba:
             slots = (torch.tensor([c.state_slot for c in padded.chunks], device=device),)
             if length > 1:
                 slots += (torch.tensor([s for c in padded.chunks for s in c.per_token_state_slots], device=device),)
         return padded.input_ids.to(device), plan, slots
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, prev_hidden: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states [T, hidden] of a qualifying batch through its bucket's graph (captured at first
-        use), or None: the caller runs the model eagerly."""
+        use), or None: the caller runs the model eagerly. `prev_hidden` [T, hidden]: draft graphs only."""
         key = self.buckets(batch)
         if key is None:
             return None
-        self.model.admit_batch(batch, self.caches)  # the real batch is validated and counted
+        if self.draft and (prev_hidden is None or prev_hidden.shape[0] != batch.num_tokens):
+            raise ValueError("a draft step needs prev_hidden with one row per token")
+        self.model.admit_batch(batch, self.caches)  # the real batch is validated (and counted)
         graph = self.graphs.get(key) or self._capture(*key)
-        graph.load(*self.inputs(batch, *key))
+        graph.load(*self.inputs(batch, *key), prev_hidden)
         graph.replay()
         self.num_replays += 1
         return graph.output[: batch.num_tokens]
@@ -195,11 +209,18 @@ class DecodeGraphs:
             group = VerifyGroup(num_chunks, length, slice(0, num_chunks * length), slots[0], slots[1], ())
             mamba_plan = MambaPlan(None, (group,), None)
 
+        hidden = None
+        if self.draft:
+            weight = self.model.layers[0].eh_proj.weight  # [hidden, 2 * hidden]
+            hidden = torch.zeros(num_chunks * length, weight.shape[0], dtype=weight.dtype, device=self.device)
+
         def forward() -> torch.Tensor:
+            if self.draft:
+                return self.model.forward_planned(ids, hidden, plan, mamba_plan, self.caches)
             return self.model.forward_planned(ids, plan, mamba_plan, self.caches)
 
         replay, output = self.backend.capture(forward)
-        graph = _Graph(ids, plan, slots, replay, output)
+        graph = _Graph(ids, hidden, plan, slots, replay, output)
         self.graphs[(length, num_chunks, num_keys)] = graph
         log.info("captured a graph for %d chunks x %d tokens x %d keys", num_chunks, length, num_keys)
         return graph
