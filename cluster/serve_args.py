@@ -31,6 +31,7 @@ SETTINGS = {
     "enable_prefix_caching": "engine.enable_prefix_caching",
     "max_num_seqs": "engine.max_num_seqs",
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "cuda_graphs": "engine.cuda_graphs",
 }
 
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step, decodes first (engine.max_num_batched_tokens)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached prefixes (engine.enable_prefix_caching)")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], help="decode steps as CUDA graphs (engine.cuda_graphs)")
     p.add_argument("--chat-template", help="a Jinja chat template file or inline string (model.chat_template)")
     p.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
                    help="request defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens): "

@@ -50,10 +50,11 @@ def tiny_model(tiny_dir):
     return load_model(tiny_dir, kernels="torch")
 
 
-def make_engine(model, drafter=None, events=None, **kw) -> LLMEngine:
+def make_engine(model, drafter=None, events=None, graph_backend=None, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 2048)
     kw.setdefault("cache_memory_bytes", 96 * 2**20)
-    return LLMEngine(model, EngineConfig(kernels="torch", **kw), drafter=drafter, events=events)
+    return LLMEngine(model, EngineConfig(kernels="torch", **kw), drafter=drafter, events=events,
+                     graph_backend=graph_backend)
 
 
 def make_prompt(n: int, seed: int) -> list[int]:

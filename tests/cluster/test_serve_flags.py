@@ -80,3 +80,12 @@ def test_explain_into_a_closed_pipe_has_no_traceback():
     finally:
         os.close(write_end)
     assert p.returncode == 141 and p.stderr == ""
+
+
+def test_cuda_graphs_flag_reaches_the_engine_config():
+    args, settings = parse_serve_args(["--cuda-graphs", "on", "--set", "engine.device=cuda"])
+    assert load_config(args.config, args.overrides, settings).engine.cuda_graphs == "on"
+    args, settings = parse_serve_args([])
+    assert load_config(args.config, args.overrides, settings).engine.cuda_graphs == "off"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--cuda-graphs", "maybe"])

@@ -8,8 +8,11 @@ import random
 import pytest
 import torch
 
+from bench.host_counters import HostCounter
 from tests.conftest import make_engine, make_prompt
-from workers.engine.sampling import Sampler, SamplingParams
+from workers.engine.request import Request
+from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
+from workers.engine.scheduler import ChunkKind, ScheduledChunk
 from workers.engine.step_inputs import StepLogits
 
 
@@ -31,6 +34,9 @@ def test_step_argmax_equals_the_per_row_sampler_including_ties():
     assert sum(int((r == r.max()).sum()) > 1 for r in rows) >= 20  # ties are the common case here
     spans = [(0, 1), None, (1, 5), (5, 40), None]
     logits = StepLogits(rows, spans)
+    with pytest.raises(AssertionError, match="read_back"):
+        _ = logits.argmax
+    logits.read_back()
     greedy = Sampler(SamplingParams())
     assert logits.argmax == [greedy.sample(r) for r in rows] == [int(torch.argmax(r)) for r in rows]
     assert logits.argmax[:5] == [0, 15, 3, 5, 2]
@@ -41,7 +47,40 @@ def test_step_argmax_equals_the_per_row_sampler_including_ties():
             continue
         assert logits.argmax_of(i) == [greedy.sample(r) for r in rows[span[0] : span[1]]]
         torch.testing.assert_close(logits.of(i), rows[span[0] : span[1]], rtol=0, atol=0, equal_nan=True)
-    assert StepLogits(None, [None, None]).argmax == []
+    empty = StepLogits(None, [None, None])
+    empty.read_back()
+    assert empty.argmax == []
+
+
+def test_step_samples_equal_the_per_request_sampler_and_token_logprobs():
+    """Sampled tokens and logprobs computed for the whole step on the device, read in one copy, equal
+    what each request's Sampler.sample and token_logprobs give row by row."""
+    rows = torch.randint(0, 4, (9, 16), generator=torch.Generator().manual_seed(0)).float()  # ties everywhere
+    specs = [(SamplingParams(logprobs=2), (0, 4)), (SamplingParams(temperature=0.9, seed=3, logprobs=0), (4, 5)),
+             (SamplingParams(repetition_penalty=1.7, logprobs=5), (5, 6)), (SamplingParams(), (6, 7)),
+             (SamplingParams(temperature=1.3, top_k=4, seed=9), (7, 8)), (SamplingParams(logprobs=2), (8, 9))]
+    scheduled = []
+    for n, (params, _) in enumerate(specs):
+        req = Request(f"r{n}", [1, 2, 3], params, hashes=None, sampler=Sampler(params))
+        req.output_token_ids = [5, 5, 7]
+        scheduled.append(ScheduledChunk(req, ChunkKind.DECODE, 1))
+    logits = StepLogits(rows, [span for _, span in specs])
+    with HostCounter() as counter:
+        logits.read_back(None, scheduled)
+    assert counter.counts().num_syncs == 1
+    for n, (params, (a, b)) in enumerate(specs):
+        ref = Sampler(params)
+        if ref.is_argmax:
+            tokens = logits.argmax_of(n)
+            assert n not in logits.samples.tokens_of
+        else:
+            tokens = [logits.samples.tokens_of[n]]
+            assert tokens == [ref.sample(rows[a], [1, 2, 3], [5, 5, 7])]
+        if params.logprobs is None:
+            assert n not in logits.samples.logprobs_of
+            continue
+        want = [token_logprobs(rows[r], t, params.logprobs) for r, t in zip(range(a, b), tokens)]
+        assert logits.samples.logprobs_of[n] == want
 
 
 @pytest.mark.parametrize("kw", [{"temperature": 0.7, "seed": 1}, {"repetition_penalty": 1.5},
@@ -80,10 +119,14 @@ def test_a_mixed_batch_equals_solo_runs(tiny_model, k):
     assert solo[-1].finish_reason == "stop" and solo[-1].token_ids[-1] == stop
     engine = make_engine(tiny_model, num_spec_tokens=k)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
+    done, syncs = {}, []
     while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        with HostCounter() as counter:  # sampled tokens, penalties and logprobs included: one read per step
+            outputs = engine.step()
+        syncs.append((counter.counts().num_syncs, counter.counts().sync_sites))
+        done.update({o.request_id: o for o in outputs if o.finished})
         engine.cache.check_integrity()
+    assert max(n for n, _ in syncs) == 1, syncs
     for rid, want in zip(ids, solo):
         got = done[rid]
         assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)

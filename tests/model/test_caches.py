@@ -33,6 +33,28 @@ def test_copy_state_copies_every_mamba_layer(model):
         assert not caches.ssm[layer][1].any()
 
 
+def test_copy_states_equals_copy_state_pair_by_pair(model):
+    """The batched copy reads every source before writing (a destination may be another pair's
+    source) and equals copy_state pair by pair when no pair reads an earlier pair's destination."""
+    caches = model.allocate_caches(1, 16, 6)
+    ref = model.allocate_caches(1, 16, 6)
+    for layer in caches.conv:
+        for pool, ref_pool in ((caches.conv, ref.conv), (caches.ssm, ref.ssm)):
+            pool[layer].normal_()
+            ref_pool[layer].copy_(pool[layer])
+    caches.copy_states([4, 0, 5], [1, 3, 2])
+    for src, dst in ((4, 1), (0, 3), (5, 2)):
+        ref.copy_state(src, dst)
+    for layer in caches.conv:
+        assert torch.equal(caches.conv[layer], ref.conv[layer]) and torch.equal(caches.ssm[layer], ref.ssm[layer])
+    before = caches.ssm[next(iter(caches.ssm))].clone()
+    caches.copy_states([1, 2], [2, 1])  # a swap: sources read first
+    after = caches.ssm[next(iter(caches.ssm))]
+    assert torch.equal(after[1], before[2]) and torch.equal(after[2], before[1])
+    with pytest.raises(ValueError, match="distinct destinations"):
+        caches.copy_states([0, 1], [2, 2])
+
+
 @pytest.mark.parametrize(
     ("chunks", "ids", "match"),
     [

@@ -31,7 +31,8 @@ def test_torch_and_auto_on_cpu(caplog):
         assert select_kernels("auto", "cpu") is TORCH_KERNELS
         select_kernels("auto", "cpu")
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["model kernels: torch (requested)", "model kernels: torch (auto: device cpu)"]
+    assert lines == ["model kernels: torch (requested); attention: sdpa[FLASH_ATTENTION,MATH]",
+                     "model kernels: torch (auto: device cpu); attention: sdpa[FLASH_ATTENTION,MATH]"]
 
 
 def test_cuda_without_packages_or_device_is_an_error():

@@ -36,6 +36,10 @@ class EngineConfig:
     model_fingerprint: str = ""  # filled from the checkpoint when empty
     dtype: str = "float32"  # weights, activations and KV (cluster: set from model.dtype); float32 | bfloat16 | float16
     device: str = "cpu"  # where weights and every cache pool live: cpu | cuda | cuda:N
+    # on: decode steps replay CUDA graphs per batch-size bucket (workers/model/decode_graphs.py; needs a
+    # CUDA device, the torch kernel set, no MoE layers, tp_size 1); off: every step eager (vLLM's
+    # --enforce-eager). Off by default until measured on a GPU
+    cuda_graphs: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_block_size", "mamba_block_size", "cache_memory_bytes",
@@ -70,6 +74,10 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or (
                 self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise EngineConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.cuda_graphs not in ("on", "off"):
+            raise EngineConfigError(f"cuda_graphs must be on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
+            raise EngineConfigError(f"cuda_graphs: on needs a CUDA device, not {self.device!r}")
         if self.kernels not in ("auto", "torch", "cuda"):
             raise EngineConfigError(f"kernels must be auto, torch or cuda, got {self.kernels!r}")
 

@@ -24,19 +24,23 @@ from cache_service.coordinator import EagleMode
 from cache_service.events import EventSink
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
-from workers.engine.drafter import Drafter, DraftInput, MTPDrafter
+from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
+from workers.engine.sampling import Sampler, SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
+from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
+from workers.model.decode_graphs import CudaGraphBackend, DecodeGraphs, decode_graphs_for
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, *, drafter: Drafter | None = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, graph_backend=None) -> None:
+        """`graph_backend`: replay decode steps through graphs with this backend (decode_graphs.py; tests
+        pass EagerReplay on the CPU); None: CudaGraphBackend when `config.cuda_graphs` is on, else eager."""
         self.model = model
         self.config = config
         mconf = model.config
@@ -46,9 +50,11 @@ class LLMEngine:
         if config.num_spec_tokens > 0 and not self.speculative:
             log.info("checkpoint has no MTP head: speculative decoding disabled")
         num_kv_blocks, num_slots = size_pools(model, config, self.speculative)
+        graphs = graph_backend is not None or config.cuda_graphs == "on"
+        # with graphs, one KV block and one state slot past the pools: the padding rows' scratch pages
         self.caches = model.allocate_caches(
-            num_kv_blocks, config.kv_block_size, num_slots,
-            num_draft_blocks=num_kv_blocks if self.speculative else 0,
+            num_kv_blocks + graphs, config.kv_block_size, num_slots + graphs,
+            num_draft_blocks=num_kv_blocks + graphs if self.speculative else 0,
             draft_block_size=config.kv_block_size if self.speculative else None,
         )
         self.cache = EngineCacheManager(
@@ -56,10 +62,22 @@ class LLMEngine:
             state_page_bytes=model.state_bytes_per_slot(),
         )
         self.scheduler = Scheduler(config, self.cache)
+        self.decode_graphs = None
+        if graphs:
+            self.decode_graphs = decode_graphs_for(
+                model, self.caches, graph_backend or CudaGraphBackend(), config.max_num_seqs, config.max_model_len,
+                scratch_block=num_kv_blocks, scratch_slot=num_slots)
         if self.speculative and drafter is None:
-            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table)
+            drafter = MTPDrafter(model, self.caches, config.num_spec_tokens, self.cache.draft_table,
+                                 self.cache.draft_tables.id_range)
+            if self.decode_graphs is not None:  # the draft chain's 1-token steps too (scratch: the draft pool's last)
+                g = self.decode_graphs
+                drafter.graphs = DecodeGraphs(model.mtp, self.caches, g.backend, g.batch_buckets, g.key_buckets,
+                                              scratch_block=num_kv_blocks, scratch_slot=num_slots, draft=True)
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
+        self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once
+        self.pending_drafts = PendingDrafts()  # the MTP drafts of the last step, still on the device
         self._ids = itertools.count()
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
@@ -146,10 +164,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch = build_batch(scheduled, self.cache)
+        batch = build_batch(scheduled, self.cache, self.pending_drafts)
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
-        hidden = self.model.forward(batch, self.caches)  # [T, hidden]
+        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # None: not a graph's
+        if hidden is None:
+            hidden = self.model.forward(batch, self.caches)  # [T, hidden]
         logits = sampling_logits(self.model, scheduled, hidden)
+        logits.read_back(self.pending_drafts, scheduled)  # the step's device -> host copy
         new_tokens: list[list[int]] = []
         draft_inputs: list[DraftInput] = []
         row = 0
@@ -160,13 +181,10 @@ class LLMEngine:
             new_tokens.append(tokens)
             if draft_input is not None:
                 draft_inputs.append(draft_input)
+        self.state_copies.flush()
         if self.drafter is not None:
             live = [d for d in draft_inputs if d.req.status is not RequestStatus.FINISHED]
-            for rid, drafts in self.drafter.run(live).items():
-                req = self.requests[rid]
-                room = req.params.max_tokens - len(req.output_token_ids) - 1
-                req.draft_token_ids = drafts[: max(0, room)]
-                req.num_draft_proposed += len(req.draft_token_ids)
+            self._take_drafts(self.drafter.run(live))
         outputs = []
         for item, tokens in zip(scheduled, new_tokens):
             req = item.req
@@ -176,6 +194,25 @@ class LLMEngine:
             if req.status is RequestStatus.FINISHED:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _take_drafts(self, drafts: dict[str, list[int]] | DeviceDrafts) -> None:
+        """Each proposing request verifies min(k, room) drafts next step (room: outputs it may still
+        emit beyond the one a verify always adds); device drafts stay pending until the next read_back."""
+        def room(req: Request) -> int:
+            return max(0, req.params.max_tokens - len(req.output_token_ids) - 1)
+
+        if isinstance(drafts, DeviceDrafts):
+            reqs = [self.requests[rid] for rid in drafts.request_ids]
+            for req in reqs:
+                req.draft_token_ids = []
+                req.num_draft_tokens = min(drafts.tokens.shape[1], room(req))
+                req.num_draft_proposed += req.num_draft_tokens
+            self.pending_drafts.set(drafts, reqs)
+            return
+        for rid, tokens in drafts.items():
+            req = self.requests[rid]
+            req.set_drafts(tokens[: room(req)])
+            req.num_draft_proposed += req.num_draft_tokens
 
     def _wants_drafts(self, req: Request) -> bool:
         """Whether `req` proposes drafts. Every request of a speculative engine still feeds the drafter
@@ -230,11 +267,12 @@ class LLMEngine:
             proposal = drafts[:accepted] + [target[accepted]]
             req.num_draft_accepted += accepted
             if accepted < len(drafts):  # else the working page already holds the state after the whole chunk
-                self.cache.mamba.rollback(req.request_id, accepted)
+                # the state after the last accepted token (queued: the step copies all rollbacks at once)
+                self.state_copies.add(self.cache.verify_pages(req, accepted + 1)[accepted], self.cache.state_page(req))
         else:
             accepted = 0
             proposal = [self._sample(req, logits, index)]
-        req.draft_token_ids = []
+        req.set_drafts([])
         self.cache.record_hidden(req, n, hidden, row, accepted + 1)
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))
@@ -249,7 +287,7 @@ class LLMEngine:
         """The token chunk `index` samples from its first sampling row."""
         if req.sampler.is_argmax:  # the step's batched argmax: no per-request tensor op
             return logits.argmax_of(index)[0]
-        return req.sampler.sample(logits.of(index)[0], req.prompt_token_ids, req.output_token_ids)
+        return logits.samples.tokens_of[index]  # sampled on the device before the step's read-back
 
     def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
         """Keep the Mamba states at the last two alignment boundaries passed while decoding
@@ -266,17 +304,17 @@ class LLMEngine:
 
     def _emit(self, req: Request, tokens: list[int], logits: StepLogits, index: int) -> list[int]:
         """Append sampled tokens, stopping at a stop token or the length limit; row i of chunk
-        `index`'s logits is the row `tokens[i]` was chosen from (read for the request's logprobs)."""
+        `index`'s logits is the row `tokens[i]` was chosen from (its logprobs: logits.samples)."""
         out = []
         stops = req.sampler.stop_token_ids  # the request's stop ids and, unless ignore_eos, the model's EOS
         num_logprobs = req.params.logprobs
-        rows = logits.of(index) if num_logprobs is not None else None
+        logprobs = logits.samples.logprobs_of[index] if num_logprobs is not None else None
         reason = None
         for i, t in enumerate(tokens):
             out.append(t)
             req.output_token_ids.append(t)
-            if rows is not None:
-                req.output_logprobs.append(token_logprobs(rows[i], t, num_logprobs))
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])  # row i's emitted token's, computed before the read-back
             if t in stops:
                 reason = FinishReason.STOP
                 break
@@ -289,6 +327,7 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.state_copies.flush()  # its working page is snapshotted and given back below
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)

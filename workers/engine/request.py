@@ -44,7 +44,10 @@ class Request:
     num_computed_prompt_tokens: int = 0
     checkpoints: tuple[int, ...] = ()  # planned Mamba snapshot positions
     junctions: tuple[int, ...] = ()
+    # drafts to verify at the next decode: `num_draft_tokens` of them; their values are in draft_token_ids,
+    # or still on the device (drafter.PendingDrafts) while draft_token_ids is empty
     draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
     sampler: Sampler | None = None
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
@@ -66,6 +69,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def has_pending_drafts(self) -> bool:
+        """Drafts proposed whose values the host has not read yet (they are in drafter.PendingDrafts)."""
+        return self.num_draft_tokens > len(self.draft_token_ids)
+
+    def set_drafts(self, draft_token_ids: list[int]) -> None:
+        self.draft_token_ids = draft_token_ids
+        self.num_draft_tokens = len(draft_token_ids)
 
     @property
     def is_prefilling(self) -> bool:

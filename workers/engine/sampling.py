@@ -100,18 +100,23 @@ class Sampler:
         self.stop_token_ids = frozenset(self.min_tokens_banned)  # a sampled one finishes the request
         # the token is the raw row's first argmax: the engine reads it from the step's batched argmax
         self.is_argmax = params.greedy and not params.shapes_logits
-        if not params.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        # the seed is drawn now; the generator is made on the logits' device at the first sample
+        # (torch.multinomial takes a generator of its own device only)
+        self._seed = None if params.greedy else (params.seed if params.seed is not None else torch.seed())
 
     def sample(self, logits: torch.Tensor, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> int:
         """`logits`: [vocab] float32; `prompt_ids` / `output_ids`: the request's tokens so far
         (read only when a penalty or `min_tokens` is set)."""
+        return int(self.sample_on_device(logits, prompt_ids, output_ids))
+
+    def sample_on_device(self, logits: torch.Tensor, prompt_ids: Sequence[int] = (),
+                         output_ids: Sequence[int] = ()) -> torch.Tensor:
+        """`sample` without reading the result: int64 [1] on the logits' device (no host sync)."""
         p = self.params
         if p.shapes_logits:
             logits = self.shape(logits, prompt_ids, output_ids)
         if p.greedy:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits).view(1)
         scaled = _finite(logits / p.temperature)
         if p.top_k and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
@@ -123,7 +128,9 @@ class Sampler:
             keep[0] = True  # a top_p below float32's smallest value still keeps the best token
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.generator is None:
+            self.generator = torch.Generator(probs.device).manual_seed(self._seed)
+        return torch.multinomial(probs, 1, generator=self.generator)
 
     def shape(self, logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
         """Penalties and the min_tokens ban, on a copy of `logits`."""
@@ -131,14 +138,15 @@ class Sampler:
         logits = logits.clone()
         vocab = logits.numel()
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if t < vocab}), dtype=torch.long)
+            seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if t < vocab}), dtype=torch.long,
+                                device=logits.device)
             if seen.numel():
                 vals = logits[seen]
                 logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and output_ids:
             counts = Counter(t for t in output_ids if t < vocab)
-            ids = torch.tensor(list(counts), dtype=torch.long)
-            n = torch.tensor(list(counts.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+            n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
             logits[ids] -= p.frequency_penalty * n + p.presence_penalty
         if len(output_ids) < p.min_tokens and self.min_tokens_banned:
             banned = [t for t in self.min_tokens_banned if t < vocab]

@@ -108,7 +108,7 @@ class Scheduler:
         for req in list(self.running):  # 1. decodes first
             if req.is_prefilling or req.status is not RequestStatus.RUNNING:
                 continue
-            m = 1 + len(req.draft_token_ids)
+            m = 1 + req.num_draft_tokens
             if m > budget or not self._make_room(req, m, decoding=True, taken=taken):
                 continue
             self.cache.grow(req, m, decoding=True)
@@ -163,7 +163,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_prefill_tokens = req.num_tokens
         req.num_computed_tokens = req.num_draft_computed_tokens = 0
-        req.draft_token_ids = []
+        req.set_drafts([])  # drafts still on the device are dropped at the next read (PendingDrafts)
         req.checkpoints = req.junctions = ()
         req.num_preemptions += 1
         self.num_preemptions += 1

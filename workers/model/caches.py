@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.model.config import HybridModelConfig
+from workers.model.rows import copy_rows_
 
 
 def _elem_bytes(dtype: torch.dtype) -> int:
@@ -84,6 +85,22 @@ class ModelCaches:
         for layer, conv in self.conv.items():
             conv[dst_slot].copy_(conv[src_slot])
             self.ssm[layer][dst_slot].copy_(self.ssm[layer][src_slot])
+
+    def copy_states(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """copy_state for many pairs at once: one gather and one scatter per pool and layer (a step's
+        speculative rollbacks). Sources are read before any destination is written; no slot may be a
+        destination twice."""
+        if len(src_slots) != len(dst_slots) or len(set(dst_slots)) != len(dst_slots):
+            raise ValueError(f"copy_states needs distinct destinations, one per source: {src_slots} -> {dst_slots}")
+        if not src_slots or not self.conv:
+            return
+        device = next(iter(self.conv.values())).device
+        src = torch.tensor(src_slots, device=device)
+        dst = torch.tensor(dst_slots, device=device)
+        for layer, conv in self.conv.items():
+            copy_rows_(conv, dst, conv.index_select(0, src))
+            ssm = self.ssm[layer]
+            copy_rows_(ssm, dst, ssm.index_select(0, src))
 
     def zero_state(self, slot: int) -> None:
         for layer, conv in self.conv.items():

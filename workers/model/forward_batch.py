@@ -71,11 +71,15 @@ class ForwardCounts:
 @dataclass(frozen=True)
 class ForwardBatch:
     """input_ids: int64 [T], the chunks' new tokens concatenated in chunk order.
-    num_prompt_tokens: how many of the T rows are prompt tokens (prefill chunks), for the work counts."""
+    num_prompt_tokens: how many of the T rows are prompt tokens (prefill chunks), for the work counts.
+    block_id_range: (smallest, largest) id over every chunk's whole block_table, when the builder knows
+        it from the lists the tables came from (the engine does); validation then checks the pool range
+        on these two ints instead of reading the tables (a device sync where tables live on a GPU)."""
 
     input_ids: torch.Tensor
     chunks: tuple[SeqChunk, ...]
     num_prompt_tokens: int = 0
+    block_id_range: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +153,11 @@ class ForwardBatch:
             lengths = [c.block_table.shape[0] for c in chunks]
             if any(length < k for length, k in zip(lengths, need)):
                 return False
-            if num_blocks is not None:
+            if num_blocks is not None and self.block_id_range is not None:
+                lo, hi = self.block_id_range  # every entry in range: the used ones are too
+                if lo < 0 or hi >= num_blocks:
+                    return False
+            elif num_blocks is not None:
                 tables = self.block_tables  # zero padding is a valid id: it cannot fail the range check
                 if lengths != need:  # tables longer than needed: only their used entries must be in range
                     used = torch.arange(tables.shape[1])[None] < torch.tensor(need)[:, None]  # [n, max length]

@@ -101,6 +101,14 @@ class HybridForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run the batch's new tokens through all layers; see forward_batch.SeqChunk for cache semantics."""
+        self.admit_batch(batch, caches)
+        # one plan per kind for the whole step: every layer runs once over all chunks (varlen)
+        plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
+        mamba_plan = MambaPlan.build(batch, self.device) if caches.conv else None
+        return self.forward_planned(batch.input_ids.to(self.device), plan, mamba_plan, caches)
+
+    def admit_batch(self, batch: ForwardBatch, caches: ModelCaches) -> None:
+        """Validate `batch` against the caches (ForwardBatchError) and count its rows (forward_counts)."""
         batch.validate(
             caches.kv_block_size,
             caches.num_kv_blocks,
@@ -108,11 +116,14 @@ class HybridForCausalLM(nn.Module):
         )
         self.forward_counts = ForwardCounts(self.forward_counts.num_tokens + batch.num_tokens,
                                             self.forward_counts.num_prompt_tokens + batch.num_prompt_tokens)
-        # one plan per kind for the whole step: every layer runs once over all chunks (varlen)
-        plan = PagedPlan.build(batch, caches.kv_block_size, self.device) if caches.kv else None
-        mamba_plan = MambaPlan.build(batch, self.device) if caches.conv else None
+
+    @torch.no_grad()
+    def forward_planned(self, input_ids: torch.Tensor, plan: PagedPlan | None, mamba_plan: MambaPlan | None,
+                        caches: ModelCaches) -> torch.Tensor:
+        """The layers over a step's prebuilt plans (input_ids [T] on the model's device): device work only,
+        no host reads, which is what a CUDA graph of a decode step captures (decode_graphs.py)."""
         c = self.config
-        h = self.model.embeddings(batch.input_ids.to(self.device))  # [T, hidden]
+        h = self.model.embeddings(input_ids)  # [T, hidden]
         if c.embedding_multiplier != 1.0:
             h = h * c.embedding_multiplier
         for i, block in enumerate(self.model.layers):

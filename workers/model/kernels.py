@@ -2,14 +2,15 @@
 whole batch of one step (varlen: packed sequences with per-sequence metadata, see varlen.py / paged_plan.py).
 
 - `torch`: the references in ssd.py / ssd_varlen.py (the two decode updates in fewer passes, below) plus
-           torch SDPA (grouped, padded). Runs anywhere.
+           torch SDPA (grouped, padded) restricted to an explicit backend list per device
+           (sdpa_backends.py: never cuDNN, which re-plans per sequence length). Runs anywhere.
 - `cuda`:  mamba_ssm (SSD scan with seq_idx / cu_seqlens, selective state update), causal_conv1d
            (varlen conv with seq_idx, conv update), flash_attn (flash_attn_varlen_func with cu_seqlens).
            A missing package or no CUDA device raises KernelUnavailableError; never a silent fallback.
 - `auto`:  `cuda` if every package is installed AND the model lives on a CUDA device, else `torch`.
 
-The choice is logged once per (choice, device). The CUDA wrappers are kept thin and only run on GPU tests
-(tests/model/test_kernels.py, marked gpu).
+The choice, with the attention backend, is logged once per (choice, device). The CUDA wrappers are kept
+thin and only run on GPU tests (tests/model/test_kernels.py, marked gpu).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from workers.model.errors import KernelUnavailableError
 from workers.model.paged_plan import PagedPlan
 from workers.model.rows import copy_rows_
+from workers.model.sdpa_backends import describe, sdpa_backends_for, sdpa_context
 from workers.model.ssd import bias_activation
 from workers.model.ssd_varlen import add_initial_state_contribution, causal_conv1d_varlen_ref, ssd_varlen_ref
 from workers.model.varlen import VarlenSeqs
@@ -58,7 +60,8 @@ def paged_attention_ref(
     q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: PagedPlan, scale: float
 ) -> torch.Tensor:
     """Every chunk's queries over its own positions [0, S_i) of the paged pool, one SDPA per group of
-    chunks (plan.sdpa_groups); each chunk equals attention_ref on its gathered keys.
+    chunks (plan.sdpa_groups); each chunk equals attention_ref on its gathered keys. SDPA picks its
+    backend by PyTorch's default order here: the kernel sets wrap it (`_with_sdpa_backends`).
 
     q [T, H, hd], k_slots and v_slots [num_slots, Hkv, hd] (the pool, flat). Returns [T, H, hd]."""
     out = torch.empty_like(q)  # [T, H, hd]
@@ -118,6 +121,18 @@ def ssd_varlen_torch(x, dt, A, B, C, chunk_size, D, seqs: VarlenSeqs, initial_st
     return ssd_varlen_ref(x, dt, A, B, C, chunk_size, D, seqs, initial_states)
 
 
+def _with_sdpa_backends(attention: Callable[..., torch.Tensor], device: str) -> tuple[Callable[..., torch.Tensor], str]:
+    """`attention` run inside sdpa_kernel(the device's backends); and its description for the log."""
+    backends = sdpa_backends_for(device)
+    context = sdpa_context(backends)
+
+    def attention_with_backends(q, k_slots, v_slots, plan, scale):
+        with context():
+            return attention(q, k_slots, v_slots, plan, scale)
+
+    return attention_with_backends, describe(backends)
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """The functions layers call; signatures are those of the torch references.
@@ -129,6 +144,8 @@ class KernelSet:
     conv1d_update(x, conv_pool, slots, weight, bias, activation) -> y (pool in place)  ssd.conv1d_update_ref
     state_update(ssm_pool, slots, x, dt, A, B, C, D) -> y (pool in place)    ssd.selective_state_update_ref
     attention(q, k_slots, v_slots, plan, scale) -> out                                 paged_attention_ref
+    attention_backend: what `attention` runs, for the start-up log and tests ("sdpa[FLASH_ATTENTION,MATH]",
+        "flash_attn.flash_attn_varlen_func")
     """
 
     name: str
@@ -137,12 +154,17 @@ class KernelSet:
     conv1d_update: Callable[..., torch.Tensor]
     state_update: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
+    attention_backend: str = ""
 
 
-TORCH_KERNELS = KernelSet(
-    "torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_torch, state_update_torch,
-    paged_attention_ref,
-)
+def _torch_kernels(device: str) -> KernelSet:
+    attention, backend = _with_sdpa_backends(paged_attention_ref, device)
+    return KernelSet("torch", ssd_varlen_torch, causal_conv1d_varlen_ref, conv1d_update_torch, state_update_torch,
+                     attention, backend)
+
+
+TORCH_KERNELS = _torch_kernels("cpu")
+TORCH_CUDA_KERNELS = _torch_kernels("cuda")  # never cuDNN SDPA: it re-plans for every new sequence length
 
 
 def missing_cuda_packages() -> list[str]:
@@ -208,7 +230,8 @@ def _cuda_kernels() -> KernelSet:
         )  # [T, H, hd]; causal is bottom-right aligned when S_i > new_i
         return out.to(q.dtype)
 
-    return KernelSet("cuda", ssd_scan, conv1d, conv1d_update, state_update, attention)
+    return KernelSet("cuda", ssd_scan, conv1d, conv1d_update, state_update, attention,
+                     "flash_attn.flash_attn_varlen_func")
 
 
 def select_kernels(choice: str = "auto", device: torch.device | str = "cpu") -> KernelSet:
@@ -226,14 +249,18 @@ def select_kernels(choice: str = "auto", device: torch.device | str = "cpu") -> 
             raise KernelUnavailableError(f"kernels='cuda' needs the model on a CUDA device, not {device}")
         kernels, why = _cuda_kernels(), "requested"
     elif choice == "torch":
-        kernels, why = TORCH_KERNELS, "requested"
+        kernels, why = _torch_for(device), "requested"
     elif device.type == "cuda" and not missing:
         kernels, why = _cuda_kernels(), "auto: CUDA device and all kernel packages present"
     else:
-        kernels = TORCH_KERNELS
+        kernels = _torch_for(device)
         why = f"auto: device {device}" if device.type != "cuda" else f"auto: missing {', '.join(missing)}"
     key = (choice, str(device), kernels.name)
     if key not in _logged:
         _logged.add(key)
-        log.info("model kernels: %s (%s)", kernels.name, why)
+        log.info("model kernels: %s (%s); attention: %s", kernels.name, why, kernels.attention_backend)
     return kernels
+
+
+def _torch_for(device: torch.device) -> KernelSet:
+    return TORCH_CUDA_KERNELS if device.type == "cuda" else TORCH_KERNELS

@@ -61,15 +61,27 @@ class MTPHead(nn.Module):
 
     @torch.no_grad()
     def forward(self, prev_hidden: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        batch.validate(caches.draft_block_size, caches.num_draft_blocks, None)
+        self.admit_batch(batch, caches)
         if prev_hidden.shape[0] != batch.num_tokens:
             raise ValueError(f"prev_hidden has {prev_hidden.shape[0]} rows for {batch.num_tokens} tokens")
-        embeddings = self._shared[0]
-        device = embeddings.weight.device
+        device = self._shared[0].weight.device
         plan = PagedPlan.build(batch, caches.draft_block_size, device) if caches.draft_kv else None
+        return self.forward_planned(batch.input_ids.to(device), prev_hidden, plan, None, caches)
+
+    def admit_batch(self, batch: ForwardBatch, caches: ModelCaches) -> None:
+        """Validate `batch` against the draft pool (ForwardBatchError)."""
+        batch.validate(caches.draft_block_size, caches.num_draft_blocks, None)
+
+    @torch.no_grad()
+    def forward_planned(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, plan: PagedPlan | None,
+                        mamba_plan, caches: ModelCaches) -> torch.Tensor:
+        """The head over a prebuilt plan (input_ids [T] on the device): device work only (what a CUDA
+        graph of a draft step captures). `mamba_plan` is unused: the head has no Mamba layers."""
+        del mamba_plan
+        embeddings = self._shared[0]
         first = self.layers[0]
-        e = embeddings(batch.input_ids.to(device))  # [T, H]
-        h = prev_hidden.to(device, e.dtype)  # [T, H]
+        e = embeddings(input_ids)  # [T, H]
+        h = prev_hidden.to(e.device, e.dtype)  # [T, H]
         x = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(h)], dim=-1))  # [T, H]
         for j, layer in enumerate(self.layers):
             if layer.kind is LayerKind.ATTENTION:

@@ -9,6 +9,7 @@ layers all-reduce inside the forward, so all ranks hold the same full hidden sta
     model.forward(batch, caches)   --->     FORWARD      [batch ints]
     model.mtp.forward(h, batch, c) --->     MTP_FORWARD  [batch ints] + h [T, hidden]
     caches.copy_state(src, dst)    --->     COPY_STATE   [src, dst]
+    caches.copy_states(srcs, dsts) --->     COPY_STATES  [srcs..., dsts...]
     draft_kv[j][kv][dst].copy_(..) --->     COPY_DRAFT_PAGE [j, kv, src, dst]
     model.allocate_caches(...)     --->     ALLOCATE     [sizes]
     model.forward_counts_by_rank() --->     FORWARD_COUNTS  (an all-reduce: each rank's ForwardCounts)
@@ -46,6 +47,7 @@ class TPCommand(enum.IntEnum):
     ZERO_STATE = 5
     COPY_DRAFT_PAGE = 6
     FORWARD_COUNTS = 7
+    COPY_STATES = 8
 
 
 def encode_batch(batch: ForwardBatch) -> list[int]:
@@ -152,6 +154,12 @@ class TPCaches:
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         self.model.send(TPCommand.COPY_STATE, [int(src_slot), int(dst_slot)])
         self.local.copy_state(src_slot, dst_slot)
+
+    def copy_states(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        if not src_slots:
+            return
+        self.model.send(TPCommand.COPY_STATES, [*map(int, src_slots), *map(int, dst_slots)])
+        self.local.copy_states(src_slots, dst_slots)
 
     def zero_state(self, slot: int) -> None:
         self.model.send(TPCommand.ZERO_STATE, [int(slot)])
@@ -293,6 +301,8 @@ def serve_tp_commands(shard: HybridForCausalLM, group: TPGroup) -> int:
                 shard.mtp.forward(group.broadcast(h), batch, caches)
             elif kind is TPCommand.COPY_STATE:
                 caches.copy_state(*ints)
+            elif kind is TPCommand.COPY_STATES:
+                caches.copy_states(ints[: len(ints) // 2], ints[len(ints) // 2 :])
             elif kind is TPCommand.ZERO_STATE:
                 caches.zero_state(*ints)
             elif kind is TPCommand.FORWARD_COUNTS:

@@ -79,7 +79,7 @@ class VarlenSeqs:
 
     @cached_property
     def _seq_idx_cpu(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(self.num_seqs), self._lengths_cpu)  # [T]
+        return torch.repeat_interleave(torch.arange(self.num_seqs), self._lengths_cpu, output_size=self.num_tokens)
 
     @cached_property
     def seq_idx(self) -> torch.Tensor:
@@ -113,7 +113,7 @@ class VarlenSeqs:
         lengths, starts = self._lengths_cpu, self._starts_cpu
         seg_len = lengths + km1  # [n]
         seg_start = starts + torch.arange(n) * km1  # [n]: ext position where segment i starts
-        ext_seq = torch.repeat_interleave(torch.arange(n), seg_len)  # [T + n*km1]
+        ext_seq = torch.repeat_interleave(torch.arange(n), seg_len, output_size=T + n * km1)  # [T + n*km1]
         offset = torch.arange(T + n * km1) - seg_start[ext_seq]  # position inside the segment
         state_row = ext_seq * km1 + offset  # rows 0 .. n*km1-1 of cat([states, x])
         token_row = n * km1 + starts[ext_seq] + offset - km1  # rows n*km1 .. of cat([states, x])
@@ -126,9 +126,10 @@ class VarlenSeqs:
     def _build_chunk_layout(self, chunk_size: int) -> ChunkLayout:
         n, T = self.num_seqs, self.num_tokens
         lengths, starts = self._lengths_cpu, self._starts_cpu
-        num_chunks = (lengths + chunk_size - 1) // chunk_size  # [n]
-        max_chunks = int(num_chunks.max()) if n else 0
-        chunk_seq = torch.repeat_interleave(torch.arange(n), num_chunks)  # [c]
+        chunks_per_seq = [-(-length // chunk_size) for length in self.lengths]  # sizes from ints: no read
+        num_chunks = torch.tensor(chunks_per_seq, dtype=torch.long)  # [n]
+        max_chunks = max(chunks_per_seq, default=0)
+        chunk_seq = torch.repeat_interleave(torch.arange(n), num_chunks, output_size=sum(chunks_per_seq))  # [c]
         first_chunk = torch.cumsum(num_chunks, 0) - num_chunks  # [n]
         chunk_in_seq = torch.arange(len(chunk_seq)) - first_chunk[chunk_seq]  # [c]
         pos_in_seq = (chunk_in_seq[:, None] * chunk_size + torch.arange(chunk_size)).flatten()  # [c*l]
