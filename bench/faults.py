@@ -103,9 +103,9 @@ def two_node_cluster(num_cpus_per_node: int = 1):
 
 def serving(backend, model_dir: str):
     """The OpenAI front end over `backend` under uvicorn on 127.0.0.1 (a context manager; yields its URL)."""
-    from cluster.frontend import create_app
-    from cluster.local_http import serve_app
-    from cluster.tokenizer import load_tokenizer
+    from cluster.http.app import create_app
+    from cluster.http.local_server import serve_app
+    from cluster.text.tokenizer import load_tokenizer
 
     return serve_app(create_app(backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir)))
 
@@ -127,7 +127,7 @@ class Env:
 
 
 def make_backend(model_dir: str, config: FaultConfig, tp_size: int = 1, num_replicas: int = 2):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
     from workers.engine.config import EngineConfig
 
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=config.cache_memory_bytes)

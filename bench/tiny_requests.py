@@ -11,7 +11,7 @@ import time
 def tiny_requests(model_dir: str, num_requests: int, concurrency: int, rounds: int = 3) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling import SamplingParams

@@ -2,7 +2,7 @@
 
     ServeConfig
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
-        restart  ReplicaRestartConfig (cluster.replica_restarts) a fixed count's crash-loop backoff
+        restart  ReplicaRestartConfig (cluster.control.replica_restarts) a fixed count's crash-loop backoff
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
       engine   EngineConfig    (workers.engine.config) scheduler, pools, speculation, retention
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.replica_restarts import ReplicaRestartConfig
+from cluster.control.replica_restarts import ReplicaRestartConfig
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
 

@@ -24,7 +24,7 @@ class FrontDoor:
     def __init__(self, model_dir: str, engine_config, backend_config, host: str | None = None, port: int = 0,
                  api_key: str | None = None, max_body_bytes: int = 4 * 2**20, model_name: str | None = None,
                  chat_template: str | None = None) -> None:
-        from cluster.cluster_backend import ClusterBackend
+        from cluster.frontdoor.backend import ClusterBackend
 
         self.backend = ClusterBackend(model_dir, engine_config, backend_config)
         self.url: str | None = None
@@ -35,8 +35,8 @@ class FrontDoor:
                     chat_template) -> None:
         import uvicorn
 
-        from cluster.frontend import create_app
-        from cluster.text_model import load_text_model
+        from cluster.http.app import create_app
+        from cluster.text.text_model import load_text_model
 
         app = create_app(self.backend, model_name or Path(model_dir).name, api_key=api_key,
                          max_body_bytes=max_body_bytes, text=load_text_model(model_dir, chat_template),

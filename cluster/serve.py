@@ -101,9 +101,9 @@ def build_backend(config: ServeConfig, model_dir: str):
         # loopback only: Ray reads this when first imported (below); without it, workers report
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from cluster.autoscaler import AutoscalerConfig
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import connect_ray
+    from cluster.control.autoscaler import AutoscalerConfig
+    from cluster.control.ray_cluster import connect_ray
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
     r = config.router
@@ -121,8 +121,8 @@ def build_backend(config: ServeConfig, model_dir: str):
 def build_app(config: ServeConfig) -> Server:
     """Raises `ConfigError` (a missing model, unreadable tokenizer files or chat template)
     before any backend is started."""
-    from cluster.frontend import create_app
-    from cluster.text_model import load_text_model
+    from cluster.http.app import create_app
+    from cluster.text.text_model import load_text_model
 
     model_dir = resolve_model_dir(config)
     try:

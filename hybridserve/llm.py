@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.completion_state import CompletionState
-from cluster.text_model import TextModel, load_text_model
+from cluster.text.completion_state import CompletionState
+from cluster.text.text_model import TextModel, load_text_model
 from hybridserve.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from hybridserve.sampling_params import SamplingParams
 from workers.engine.config import EngineConfig
@@ -74,7 +74,7 @@ class LLM:
             config = config.replace(model_fingerprint=model_fingerprint(self.model_dir))
         if tp_size == 1:
             return LLMEngine(load_model(self.model_dir, dtype=dtype, kernels=config.kernels), config)
-        from cluster.ray_cluster import connect_ray
+        from cluster.control.ray_cluster import connect_ray
         from workers.tp_worker import create_tp_engine
 
         self._embedded_ray = connect_ray(None) == "embedded"

@@ -41,7 +41,7 @@ class ReplicaUnhealthyError(RuntimeError):
 
 
 class Replica:
-    """The actor body (wrapped with `ray.remote` by `cluster.replica_set`)."""
+    """The actor body (wrapped with `ray.remote` by `cluster.control.replica_set`)."""
 
     def __init__(self, replica_id: str, model_dir: str, engine_config, tp_size: int = 1,
                  backend: str = "gloo", service_name: str | None = None, namespace: str | None = None,

@@ -7,10 +7,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.chat import render_chat
-from cluster.frontend import create_app
-from cluster.protocol import ChatMessage
-from cluster.tokenizer import load_tokenizer
+from cluster.http.app import create_app
+from cluster.http.protocol import ChatMessage
+from cluster.text.chat import render_chat
+from cluster.text.tokenizer import load_tokenizer
 from tests.cluster.test_frontend_http import serve_app
 
 TRAINED = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny-trained"

@@ -66,12 +66,12 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
     from ray.exceptions import RayActorError
 
     from bench.fault_doubles import FaultyReplica
-    from cluster.autoscaler import AutoscalerConfig
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.control.autoscaler import AutoscalerConfig
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
     from workers.engine.config import EngineConfig
 
     if not ray.is_initialized():
-        from cluster.ray_cluster import start_local_ray
+        from cluster.control.ray_cluster import start_local_ray
 
         start_local_ray(num_cpus=2)
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20)

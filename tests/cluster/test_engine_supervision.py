@@ -18,7 +18,7 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=1024, cache_memory_bytes=48
 
 def test_dead_engine_loop_makes_the_replica_unhealthy_and_requests_finish_elsewhere(ray_session, tiny_dir):
     from bench.fault_doubles import FaultyReplica
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     ray = ray_session
     backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2), replica_cls=FaultyReplica)

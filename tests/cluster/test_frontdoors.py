@@ -21,8 +21,8 @@ ENGINE = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32
 def cluster(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()
@@ -36,7 +36,7 @@ def cluster(tiny_dir):
 
 
 def test_a_second_front_door_attaches_by_name_and_leaving_stops_nothing(cluster, tiny_dir):
-    from cluster.cluster_backend import ClusterBackend
+    from cluster.frontdoor.backend import ClusterBackend
 
     owner, config = cluster
     params = SamplingParams(max_tokens=6, ignore_eos=True)

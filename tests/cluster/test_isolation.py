@@ -83,8 +83,8 @@ def wait_until_indexed(backend, timeout_s: float = 60.0) -> None:
 def backend(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()

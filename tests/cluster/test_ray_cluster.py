@@ -18,7 +18,7 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64
 
 
 def _backend(tiny_dir, **kw):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     return ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2, **kw))
 
@@ -146,7 +146,7 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
 def test_prompts_served_through_submit_warm_a_new_replica(ray_session, tiny_dir):
     """Regression: only `generate` (tests) recorded hot prefixes, so HTTP traffic never warmed
     an autoscaled replica."""
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=1))
     try:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.autoscaler import AutoscalerConfig
-from cluster.replica_count import REMOVED, ReplicaCountKeeper
-from cluster.replica_restarts import ReplicaRestartConfig
+from cluster.control.autoscaler import AutoscalerConfig
+from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
+from cluster.control.replica_restarts import ReplicaRestartConfig
 from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # upper bound on waiting for another thread (never reached when it works)

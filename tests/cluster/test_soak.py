@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.frontend import create_app
+from cluster.http.app import create_app
 from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import ServerOverloadedError
@@ -56,8 +56,8 @@ def test_soak_many_requests_keep_memory_flat(tiny_model):
 def test_full_cluster_backend_answers_429_with_retry_after(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()

@@ -48,7 +48,7 @@ def test_tp2_ray_replica_greedy_equals_tp1_and_warm_hit_equals_cold(ray_session)
 
 def test_tp2_replicas_behind_the_cluster_backend_serve_and_hit(ray_session):
     """A replica actor = rank 0 + a TPWorker actor; routed, cached and streamed like TP=1."""
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     prompts = code_prompts()
     ref = make_engine(load_model(TRAINED, kernels="torch"), num_spec_tokens=3).generate(prompts[:2], PARAMS)

@@ -43,7 +43,7 @@ def wait_until_indexed(backend, max_polls: int = 600) -> None:
 
 
 def test_simulated_hits_equal_the_live_clusters_cached_tokens(ray_session, tiny_dir):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
 
     requests = [r for start, limit in SLICES
                 for r in trace_slice(str(DEFAULT_TRACE), start, limit, SCALE, 1.0, CONFIG.max_model_len - 1)]

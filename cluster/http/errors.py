@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.protocol import error_response
+from cluster.http.protocol import error_response
 
 
 class HttpError(Exception):

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.detokenizer import TextStream
-from cluster.tokenizer import Tokenizer
+from cluster.text.detokenizer import TextStream
+from cluster.text.tokenizer import Tokenizer
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import TokenLogprobs
 

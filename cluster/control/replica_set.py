@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from cluster.replica_count import REMOVED
+from cluster.control.replica_count import REMOVED
 from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
 from workers.replica_messages import ReplicaInfoMsg
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.chat import DEFAULT_TEMPLATE, ChatTemplate, load_chat_template
-from cluster.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, read_json
+from cluster.text.chat import DEFAULT_TEMPLATE, ChatTemplate, load_chat_template
+from cluster.text.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, read_json
 
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 

@@ -25,11 +25,11 @@ import time
 import ray
 
 from cache_service.service import CacheService
+from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
+from cluster.control.replica_set import ReplicaSet
+from cluster.control.transfers import Transfers
+from cluster.frontdoor.routing_client import RoutingClient
 from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg
-from cluster.replica_count import REMOVED, ReplicaCountKeeper
-from cluster.replica_set import ReplicaSet
-from cluster.routing_client import RoutingClient
-from cluster.transfers import Transfers
 from workers.replica_messages import GenerateMsg
 
 log = logging.getLogger(__name__)

@@ -38,15 +38,15 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
-from cluster.autoscaler import AutoscalerConfig
-from cluster.controller import AutoscalerProxy, ClusterController, controller_name
-from cluster.index_check import index_problems
-from cluster.membership import MembershipView
+from cluster.control.autoscaler import AutoscalerConfig
+from cluster.control.controller import AutoscalerProxy, ClusterController, controller_name
+from cluster.control.replica_restarts import ReplicaRestartConfig
+from cluster.control.transfers import Transfers, plan_transfer
+from cluster.frontdoor.index_check import index_problems
+from cluster.frontdoor.membership import MembershipView
+from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
+from cluster.frontdoor.routing_client import RoutingClient
 from cluster.messages import TransferMsg
-from cluster.replica_restarts import ReplicaRestartConfig
-from cluster.request_streams import Job, ReplicaFailedError, serve_request
-from cluster.routing_client import RoutingClient
-from cluster.transfers import Transfers, plan_transfer
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling import SamplingParams
@@ -307,7 +307,7 @@ class ClusterBackend:
 
     def index_problems(self) -> list[str]:
         """Where the cache service's index differs from the live replicas' caches (empty: consistent);
-        see `cluster.index_check`."""
+        see `cluster.frontdoor.index_check`."""
         return index_problems(self.replicas, self.service)
 
     def shutdown(self, stop_cluster: bool | None = None) -> None:

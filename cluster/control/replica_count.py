@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler, ScalableReplicas
-from cluster.replica_restarts import ReplicaRestartConfig, ReplicaRestarter
+from cluster.control.autoscaler import AutoscalerConfig, ReplicaAutoscaler, ScalableReplicas
+from cluster.control.replica_restarts import ReplicaRestartConfig, ReplicaRestarter
 
 REMOVED = "removed"  # the purge reason of a replica removed on purpose (`ReplicaSet.purge`)
 

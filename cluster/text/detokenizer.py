@@ -19,7 +19,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from cluster.tokenizer import Tokenizer
+from cluster.text.tokenizer import Tokenizer
 
 
 class IncrementalDecoder:

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from cluster.completion_state import CompletionState, Increment
-from cluster.http_errors import HttpError
-from cluster.metrics import Metrics
-from cluster.streaming import SseResponse, follow, sse_event, stream_error
+from cluster.http.errors import HttpError
+from cluster.http.metrics import Metrics
+from cluster.http.streaming import SseResponse, follow, sse_event, stream_error
+from cluster.text.completion_state import CompletionState, Increment
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError
 from workers.engine.sampling import SamplingParams
 from workers.engine_runner import RequestStream, StreamEnd

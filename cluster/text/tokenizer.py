@@ -10,7 +10,7 @@ sees). Two kinds:
 - `ByteTokenizer`: the trained tiny checkpoint's `byte_tokenizer.json` (id = UTF-8 byte +
   offset); it also has `decode_bytes`, which gives it an exact streaming decoder.
 
-Incremental (streaming) decoding lives in `cluster.detokenizer`.
+Incremental (streaming) decoding lives in `cluster.text.detokenizer`.
 """
 
 from __future__ import annotations

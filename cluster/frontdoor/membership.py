@@ -11,7 +11,7 @@ import threading
 
 import ray
 
-from cluster.replica_set import ReplicaHandle, ReplicaTable
+from cluster.control.replica_set import ReplicaHandle, ReplicaTable
 
 MEMBERSHIP_TIMEOUT_S = 30.0
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.chat import Role
+from cluster.text.chat import Role
 from workers.engine.sampling import MAX_LOGPROBS
 
 MAX_TOKENS_LIMIT = 2**20  # schema bound; the backend's max_model_len is the real one

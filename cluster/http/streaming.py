@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from cluster.completion_state import prompt_tokens_details
-from cluster.metrics import Metrics
+from cluster.http.metrics import Metrics
+from cluster.text.completion_state import prompt_tokens_details
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream, StreamEnd
 

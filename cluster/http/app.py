@@ -24,14 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 
-from cluster.chat import ChatTemplateError
-from cluster.completion_state import CompletionState, Increment
-from cluster.frontend_requests import RequestDriver
-from cluster.http_errors import HttpError, install_error_handlers
-from cluster.http_guard import HttpGuard
-from cluster.metrics import Metrics
-from cluster.openai_format import chat_logprobs, completion_logprobs, sampling_params
-from cluster.protocol import (
+from cluster.http.errors import HttpError, install_error_handlers
+from cluster.http.guard import HttpGuard
+from cluster.http.metrics import Metrics
+from cluster.http.openai_format import chat_logprobs, completion_logprobs, sampling_params
+from cluster.http.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,8 +37,11 @@ from cluster.protocol import (
     TokenizeRequest,
     error_docs,
 )
-from cluster.text_model import GenerationDefaults, TextModel
-from cluster.tokenizer import ByteTokenizer, Tokenizer
+from cluster.http.request_driver import RequestDriver
+from cluster.text.chat import ChatTemplateError
+from cluster.text.completion_state import CompletionState, Increment
+from cluster.text.text_model import GenerationDefaults, TextModel
+from cluster.text.tokenizer import ByteTokenizer, Tokenizer
 from workers.engine.errors import InvalidRequestError
 
 VERSION = "0.1.0"
@@ -51,7 +51,7 @@ __all__ = ["HttpError", "ROUTES", "create_app"]
 
 
 def default_text_model(tokenizer: Tokenizer | None) -> TextModel:
-    from cluster.chat import DEFAULT_TEMPLATE, ChatTemplate
+    from cluster.text.chat import DEFAULT_TEMPLATE, ChatTemplate
 
     template = ChatTemplate(DEFAULT_TEMPLATE, origin="built-in") if isinstance(tokenizer, ByteTokenizer) else None
     return TextModel(tokenizer, template, GenerationDefaults())

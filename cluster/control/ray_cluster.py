@@ -1,6 +1,6 @@
 """Bringing Ray up: an embedded local cluster bound to 127.0.0.1, or joining a running one.
 
-The replicas, the cache service and the routing live in `cluster.cluster_backend`.
+The replicas, the cache service and the routing live in `cluster.frontdoor.backend`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from cluster.metrics import Metrics
+from cluster.http.metrics import Metrics
 
 
 def _error_bytes(status: int, message: str, kind: str) -> bytes:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster.protocol import SamplingFields
-from cluster.tokenizer import Tokenizer
+from cluster.http.protocol import SamplingFields
+from cluster.text.tokenizer import Tokenizer
 from workers.engine.sampling import SamplingParams, TokenLogprobs
 
 
