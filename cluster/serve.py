@@ -87,7 +87,7 @@ def build_backend(config: ServeConfig, model_dir: str):
     c = config.cluster
     dtype = config.model.dtype
     if dtype == "auto":  # the checkpoint's own config.json dtype (float32 when it names none)
-        from hybridserve.llm import resolve_dtype
+        from workers.model.loader import resolve_dtype
 
         dtype = str(resolve_dtype(Path(model_dir), "auto")).removeprefix("torch.")
     engine_config = config.engine.replace(dtype=dtype)  # model.dtype: weights, activations, KV
