@@ -236,7 +236,9 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
     the service is killed during it while a front door keeps routing (by load when it must)."""
     import ray
 
+    from cache_service.ids import new_request_id
     from cluster.frontdoor.routing_client import RoutingClient
+    from workers.engine.sampling import SamplingParams
     from workers.replica_messages import GenerateMsg
 
     name = f"plane-resync-{kill_midway}-{os.getpid()}"
@@ -259,7 +261,8 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
             out["first_resync"] = f"failed as expected ({type(exc).__name__})"
         decided = 0
         for tokens, salt in prompts[:50]:
-            target, _ = client.route(GenerateMsg(tokens, cache_salt=salt), {"sim-0": 0})
+            msg = GenerateMsg(new_request_id(), tuple(tokens), SamplingParams(), salt, client.hashes(tokens, salt))
+            target, _ = client.route(msg, {"sim-0": 0})
             decided += target == "sim-0"
         out["decisions_while_down"] = decided
         out["recovered_resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)  # the replica retries

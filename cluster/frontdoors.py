@@ -15,6 +15,8 @@ from pathlib import Path
 
 import ray
 
+from cluster.ids import frontdoor_actor_name
+
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +75,7 @@ def start_frontdoors(n: int, model_dir: str, engine_config, backend_config, host
     if backend_config.cluster_name is None:
         raise ValueError("front doors attach by name: set cluster_name")
     cls = ray.remote(num_cpus=0, max_concurrency=1024)(FrontDoor)
-    doors = [cls.options(name=f"{backend_config.cluster_name}-frontdoor-{first_port + i}").remote(
+    doors = [cls.options(name=frontdoor_actor_name(backend_config.cluster_name, first_port + i)).remote(
         model_dir, engine_config, backend_config, host, first_port + i if host else 0, **http) for i in range(n)]
     ray.get([d.address.remote() for d in doors])
     return doors

@@ -3,7 +3,8 @@
     ClusterController (named "<cluster>-controller", lifetime detached)
       ReplicaSet      replica actors in placement groups; purge = stop; health checks
       CacheService    a named actor it starts (the index + routing; front doors call it directly)
-      Transfers       page moves (whichever front door asks: one per pair at a time) and warming
+      Transfers       page moves (whichever front door asks: one per pair at a time)
+      Warmer          new replicas warmed with every front door's hot prefixes (`control.warmup`)
       count keeper    `ReplicaCountKeeper`: with an autoscaler configured, the `ReplicaAutoscaler`
                       over the replicas' own load reports (all front doors' work; this actor is its
                       `ScalableReplicas`; it replaces dead replicas up to min); without one, the
@@ -17,6 +18,7 @@ controller, so they outlive any front door. Messages: `cluster.messages`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -28,15 +30,11 @@ from cache_service.service import CacheService
 from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.control.replica_set import ReplicaSet
 from cluster.control.transfers import Transfers
-from cluster.frontdoor.routing_client import RoutingClient
+from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
+from cluster.ids import service_name
 from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg
-from workers.replica_messages import GenerateMsg
 
 log = logging.getLogger(__name__)
-
-
-def controller_name(cluster_name: str) -> str:
-    return f"{cluster_name}-controller"
 
 
 class ClusterController:
@@ -45,7 +43,7 @@ class ClusterController:
         logging.basicConfig(level=logging.INFO)
         self.config = config
         self.namespace = ray.get_runtime_context().namespace
-        self.service_name = f"{cluster_name}-cache-service"
+        self.service_name = service_name(cluster_name)
         self.replicas = ReplicaSet(model_dir, engine_config, config, self.service_name, self.namespace,
                                    secrets.token_hex(16), replica_cls, on_purge=self._on_purge)
         self._version = 0
@@ -59,8 +57,11 @@ class ClusterController:
                  drop_rule=engine_config.drop_rule)
         ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
         self.replicas.attach_all()
-        self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
-        self.transfers = Transfers(self.replicas, first.alignment, config.transfer_timeout_s, config.hot_prefixes)
+        self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
+        estimate = functools.partial(dry_run_estimate, self.service, first.hash_block_size, first.fingerprint,
+                                     self.replicas.routable)
+        self.hot = HotPrefixBook(config.hot_prefixes)
+        self.warmer = Warmer(self.hot, estimate, self.transfers.transfer)
         self.keeper = ReplicaCountKeeper(self, self._start_replica, config.autoscaler, config.restart)
         self.keeper.started(initial)
         self.autoscaler = self.keeper.autoscaler
@@ -180,14 +181,11 @@ class ClusterController:
                                        msg.dst_replica, msg.num_tokens)
 
     def note_hot(self, items: list[HotPrefixMsg]) -> None:
-        self.transfers.merge_hot(items)
+        self.hot.merge(items)
 
     def warm(self, replica_id: str, limit: int | None = None) -> int:
-        def route(prompt, salt):
-            inflight = dict.fromkeys(self.replicas.routable(), 0)
-            return self.routing.route(GenerateMsg(prompt, max_tokens=0, cache_salt=salt), inflight, dry_run=True)[1]
-
-        return self.transfers.warm(replica_id, route, limit)
+        """Copy the hottest known prefixes onto `replica_id` from their holders; transfers done."""
+        return self.warmer.warm(replica_id, limit)
 
     # ---- autoscaling (a front door may step it: tests) --------------------------------------------
     def autoscale_step(self):

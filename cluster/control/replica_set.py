@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.control.replica_count import REMOVED
+from cluster.ids import placement_group_name, replica_id
 from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
 from workers.replica_messages import ReplicaInfoMsg
 
@@ -35,32 +36,11 @@ class ReplicaHandle:
     actor: object
     info: ReplicaInfoMsg
     placement_group: object = None
-    draining: bool = False
-    num_inflight: int = 0  # this front door's requests on it (draining waits for them)
+    draining: bool = False  # front doors route to it no more; stopped once its requests finished
     missed_health_checks: int = 0
 
 
-class ReplicaTable:
-    """Read access to a `replicas` dict guarded by `_lock` (the controller's `ReplicaSet` and a
-    front door's `MembershipView` both hold one)."""
-
-    replicas: dict[str, ReplicaHandle]
-    _lock: threading.RLock
-
-    def get(self, replica_id: str) -> ReplicaHandle | None:
-        return self.replicas.get(replica_id)
-
-    @property
-    def ids(self) -> list[str]:
-        with self._lock:
-            return sorted(self.replicas)
-
-    def routable(self) -> list[str]:
-        with self._lock:
-            return sorted(r for r, rep in self.replicas.items() if not rep.draining)
-
-
-class ReplicaSet(ReplicaTable):
+class ReplicaSet:
     def __init__(self, model_dir: str, engine_config, config, service_name: str, namespace: str | None,
                  secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
         """`config`: the backend config (replica resources, TP size, streams per replica).
@@ -91,9 +71,9 @@ class ReplicaSet(ReplicaTable):
             bundle["GPU"] = c.replica_num_gpus
         started = []
         for node in self.spread(n):
-            rid = f"replica-{next(self._ids)}"
+            rid = replica_id(next(self._ids))
             pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK",
-                                 name=f"{self.service_name}-{rid}", _soft_target_node_id=node)
+                                 name=placement_group_name(self.service_name, rid), _soft_target_node_id=node)
             rank0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             ranks = {"num_cpus": c.replica_num_cpus, "num_gpus": c.replica_num_gpus,
                      "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=-1)}
@@ -205,7 +185,19 @@ class ReplicaSet(ReplicaTable):
                     purged.append(rep.replica_id)
         return purged
 
-    # ---- views: get / ids / routable (ReplicaTable) --------------------------------------------
+    # ---- views ----------------------------------------------------------------------------
+    def get(self, replica_id: str) -> ReplicaHandle | None:
+        return self.replicas.get(replica_id)
+
+    @property
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self.replicas)
+
+    def routable(self) -> list[str]:
+        with self._lock:
+            return sorted(r for r, rep in self.replicas.items() if not rep.draining)
+
     def shutdown(self) -> None:
         with self._lock:
             reps = list(self.replicas.values())

@@ -28,24 +28,26 @@ index differs from the live replicas' caches. Faults are injected through test d
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
+from cache_service.transfer_plan import plan_transfer
 from cluster.control.autoscaler import AutoscalerConfig
-from cluster.control.controller import AutoscalerProxy, ClusterController, controller_name
+from cluster.control.controller import AutoscalerProxy, ClusterController
 from cluster.control.replica_restarts import ReplicaRestartConfig
-from cluster.control.transfers import Transfers, plan_transfer
+from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
-from cluster.frontdoor.membership import MembershipView
+from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
+from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
 from cluster.messages import TransferMsg
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
@@ -53,6 +55,9 @@ from workers.engine.sampling import SamplingParams
 from workers.engine_runner import RequestStream
 from workers.replica import TransferReplica
 from workers.replica_messages import GenerateMsg
+
+if TYPE_CHECKING:
+    from cluster.http.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ class ClusterBackend:
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.config = config or BackendConfig()
-        self.name = self.config.cluster_name or f"hybridserve-{secrets.token_hex(4)}"
+        self.name = self.config.cluster_name or new_cluster_name()
         self.namespace = ray.get_runtime_context().namespace
         try:
             self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
@@ -108,8 +113,7 @@ class ClusterBackend:
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
-        self._served_by: dict[str, str] = {}  # request id -> replica, for `generate`
-        self.metrics = None
+        self.metrics: Metrics | None = None
         self._controller_counters: dict = {}
         self.num_retries = 0
         self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
@@ -120,8 +124,8 @@ class ClusterBackend:
         self.service_name = self.replicas.service_name
         self.service = ray.get_actor(self.service_name, namespace=self.namespace)
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
-        self.transfers = Transfers(self.replicas, first.alignment, hot_prefixes=self.config.hot_prefixes)
-        self.frontdoor_id = f"frontdoor-{secrets.token_hex(4)}"
+        self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
+        self.frontdoor_id = new_frontdoor_id()
         self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
                            if self.config.autoscaler is not None else None)
         self._stop = threading.Event()
@@ -132,7 +136,7 @@ class ClusterBackend:
         while not self._stop.wait(MEMBERSHIP_INTERVAL_S):
             try:
                 self.replicas.refresh()
-                self.controller.note_hot.remote(self.transfers.hot_items())
+                self.controller.note_hot.remote(self.hot.items())
                 self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished)
             except Exception:  # noqa: BLE001 - the controller is busy or gone: keep serving what we know
                 log.debug("membership refresh failed", exc_info=True)
@@ -140,7 +144,7 @@ class ClusterBackend:
     def _report_unfinished(self) -> None:
         """Before an autoscaling step: this front door's load and hot prefixes, as of now."""
         ray.get([self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished),
-                 self.controller.note_hot.remote(self.transfers.hot_items())])
+                 self.controller.note_hot.remote(self.hot.items())])
 
     # ---- replicas (the controller does it; these wait for it) ---------------------------------------
     def add_replicas(self, n: int) -> list[str]:
@@ -173,9 +177,8 @@ class ClusterBackend:
     def max_model_len(self) -> int:
         return self.limits["max_model_len"]
 
-    def attach_metrics(self, metrics) -> None:
+    def attach_metrics(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.transfers.metrics = metrics
         metrics.attach_cluster_counters(self.controller_counters)
 
     def controller_counters(self) -> dict:
@@ -187,22 +190,28 @@ class ClusterBackend:
         return self._controller_counters
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, replica_id: str | None = None, _report: bool = False) -> RequestStream:
+               request_id: str | None = None, replica_id: str | None = None) -> RequestStream:
         """Validate and accept; raises `InvalidRequestError` or `ServerOverloadedError` at once."""
-        prompt = list(prompt_token_ids)
+        return self._accept(prompt_token_ids, params, cache_salt, request_id, replica_id).stream
+
+    def _accept(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                request_id: str | None, replica_id: str | None) -> Job:
+        """The prompt is hashed here, once: the cache service routes by these hashes and the
+        replica's engine adopts them."""
+        prompt = tuple(prompt_token_ids)
         validate_prompt(prompt, self.limits["vocab_size"], self.limits["max_model_len"])
         with self._lock:
             if len(self._jobs) >= self.config.max_inflight:
                 raise ServerOverloadedError(f"{len(self._jobs)} requests in flight (max {self.config.max_inflight})",
                                             retry_after_s=1.0)
-            rid = request_id or f"req-{secrets.token_hex(8)}"
+            rid = request_id or new_request_id()
             if rid in self._jobs:
                 raise InvalidRequestError(f"duplicate request id {rid!r}")
-            job = Job(GenerateMsg.of(prompt, params, cache_salt, rid), RequestStream(rid), replica_id,
-                      report_replica=_report)
+            msg = GenerateMsg(rid, prompt, params, cache_salt, self.routing.hashes(prompt, cache_salt))
+            job = Job(msg, RequestStream(rid), replica_id)
             self._jobs[rid] = job
         self._pool.submit(self._serve, job)
-        return job.stream
+        return job
 
     def abort(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
@@ -216,9 +225,9 @@ class ClusterBackend:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                  replica_id: str | None = None) -> tuple[RequestOutput, str]:
         """Blocking convenience (tests, tools): the finished output and the replica that served it."""
-        stream = self.submit(prompt_token_ids, params, cache_salt, replica_id=replica_id, _report=True)
-        outputs = list(stream)
-        return outputs[-1], self._served_by.pop(stream.request_id, None)
+        job = self._accept(prompt_token_ids, params, cache_salt, None, replica_id)
+        outputs = list(job.stream)
+        return outputs[-1], job.served_by
 
     def _serve(self, job: Job) -> None:
         try:
@@ -227,10 +236,24 @@ class ClusterBackend:
             with self._lock:
                 self._jobs.pop(job.msg.request_id, None)
 
-    # ---- routing (used by request_streams and warming) -----------------------------------------
-    def place(self, job: Job, exclude: tuple[str, ...]):
-        """(target, decision or None): route, reserve this front door's count there, move pages
-        if planned. Raises `NoReplicaError`."""
+    # ---- serving one request (request_streams.FrontDoor) ---------------------------------------
+    @property
+    def max_attempts(self) -> int:
+        return self.config.max_attempts
+
+    def replica(self, replica_id: str) -> MemberReplica | None:
+        return self.replicas.get(replica_id)
+
+    def count_retry(self) -> None:
+        with self._lock:
+            self.num_retries += 1
+
+    def finished(self, job: Job) -> None:
+        self.hot.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
+
+    def place(self, job: Job, exclude: tuple[str, ...]) -> str:
+        """Route, reserve this front door's count on the target, move pages if planned; the target.
+        Raises `NoReplicaError`."""
         if job.forced is not None and self.replicas.get(job.forced) is None:
             self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
         with self._lock:
@@ -240,14 +263,14 @@ class ClusterBackend:
             rep = self.replicas.get(target)
             if rep is not None:  # else gone meanwhile: the attempt fails over
                 rep.num_inflight += 1
-        if self.metrics is not None and hasattr(self.metrics, "record_route"):
+        if self.metrics is not None:
             self.metrics.record_route(self.config.policy if decision else "load_only", target)
         self.on_routed(job.msg, decision, target)
         if decision is not None:
             move = plan_transfer(decision, target)
             if move is not None:
-                self.transfer(job.msg.prompt_token_ids, job.msg.cache_salt, *move)
-        return target, decision
+                self.transfer(list(job.msg.prompt_token_ids), job.msg.cache_salt, *move)
+        return target
 
     def on_routed(self, msg: GenerateMsg, decision, target: str) -> None:
         """Called between routing a request and moving pages / serving it (a seam for test doubles)."""
@@ -265,13 +288,13 @@ class ClusterBackend:
         t0 = time.perf_counter()
         ok = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
                                                                  num_tokens)))
-        if self.metrics is not None and hasattr(self.metrics, "record_transfer"):
+        if self.metrics is not None:
             self.metrics.record_transfer(ok, time.perf_counter() - t0, 0)
         return ok
 
     def warm(self, replica_id: str, limit: int | None = None) -> int:
         """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""
-        ray.get(self.controller.note_hot.remote(self.transfers.hot_items()))
+        ray.get(self.controller.note_hot.remote(self.hot.items()))
         return ray.get(self.controller.warm.remote(replica_id, limit))
 
     # ---- status ---------------------------------------------------------------------------------

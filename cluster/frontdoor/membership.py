@@ -8,19 +8,31 @@ replica (`num_inflight`) survive refreshes: they are its load view while the ser
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import ray
 
-from cluster.control.replica_set import ReplicaHandle, ReplicaTable
+from workers.replica_messages import ReplicaInfoMsg
 
 MEMBERSHIP_TIMEOUT_S = 30.0
 
 
-class MembershipView(ReplicaTable):
+@dataclass
+class MemberReplica:
+    """A replica as this front door sees it."""
+
+    replica_id: str
+    actor: object  # the replica's Ray actor handle
+    info: ReplicaInfoMsg
+    draining: bool = False  # routed no more (the controller waits for its requests, then stops it)
+    num_inflight: int = 0  # this front door's requests on it
+
+
+class MembershipView:
     def __init__(self, controller) -> None:
         self.controller = controller
         self.version = -1
-        self.replicas: dict[str, ReplicaHandle] = {}
+        self.replicas: dict[str, MemberReplica] = {}
         self.service_name = ""
         self.namespace = None
         self._lock = threading.RLock()
@@ -33,7 +45,7 @@ class MembershipView(ReplicaTable):
             if msg.version == self.version:
                 return False
             old = self.replicas
-            self.replicas = {e.replica_id: ReplicaHandle(e.replica_id, e.actor, e.info, draining=e.draining,
+            self.replicas = {e.replica_id: MemberReplica(e.replica_id, e.actor, e.info, draining=e.draining,
                                                          num_inflight=old[e.replica_id].num_inflight
                                                          if e.replica_id in old else 0)
                              for e in msg.replicas}
@@ -45,3 +57,10 @@ class MembershipView(ReplicaTable):
         with self._lock:
             self.replicas.pop(replica_id, None)
 
+    def get(self, replica_id: str) -> MemberReplica | None:
+        return self.replicas.get(replica_id)
+
+    @property
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self.replicas)

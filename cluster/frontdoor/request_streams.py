@@ -1,6 +1,6 @@
-"""Serving one request on a front-door worker thread: route, stream token deltas, fail over.
+"""Serving one request on a front-door worker thread: route, stream the replica's outputs, fail over.
 
-    attempt: place (route + optional transfer) -> stream the replica's `TokenDeltaMsg`s
+    attempt: place (route + optional transfer) -> stream the replica's merged `RequestOutput`s
       finished             done
       replica died /       purge it (stopped: never left running), try another replica; the
       unhealthy            caller never sees a token twice or a gap: a retry regenerates from
@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
 from ray.exceptions import RayActorError
 
 from cache_service.router import NoReplicaError
+from cluster.frontdoor.membership import MemberReplica
 from workers.engine.errors import ServerOverloadedError
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream, StreamEnd
@@ -42,53 +45,74 @@ class Job:
     stream: RequestStream
     forced: str | None
     cancelled: bool = False
-    replica_id: str | None = None
-    report_replica: bool = False  # `generate` wants to know who served it
+    replica_id: str | None = None  # the replica of the current attempt
+    served_by: str | None = None  # the replica that finished it
 
 
-def serve_request(backend, job: Job) -> None:
-    """`backend`: the `ClusterBackend` (place / release / purge / replicas / transfers)."""
+class FrontDoor(Protocol):
+    """What serving a request needs from its front door (`ClusterBackend`)."""
+
+    max_attempts: int
+
+    def place(self, job: Job, exclude: tuple[str, ...]) -> str:
+        """Route (and move pages if planned); the target, its in-flight count booked. Raises `NoReplicaError`."""
+
+    def release(self, replica_id: str) -> None:
+        """The attempt on `replica_id` is over (its in-flight count goes back)."""
+
+    def purge(self, replica_id: str, reason: str) -> None:
+        """`replica_id` failed: stop using it, and have the controller purge it."""
+
+    def replica(self, replica_id: str) -> MemberReplica | None: ...
+
+    def count_retry(self) -> None: ...
+
+    def finished(self, job: Job) -> None:
+        """Called before the final output goes out (the front door remembers the prompt as hot)."""
+
+
+def serve_request(door: FrontDoor, job: Job) -> None:
     delivered: list[int] = []
     failed: list[str] = []
     try:
-        for _ in range(backend.config.max_attempts):
+        for _ in range(door.max_attempts):
             if job.cancelled:
                 job.stream.put(StreamEnd())
                 return
             try:
-                target, _ = backend.place(job, tuple(failed))
+                target = door.place(job, tuple(failed))
             except NoReplicaError as exc:
                 job.stream.put(StreamEnd(ServerOverloadedError(f"no replica can serve now: {exc}", 2.0)))
                 return
             try:
-                if stream_from(backend, job, target, delivered):
+                if stream_from(door, job, target, delivered):
                     return
             except (RayActorError, StreamBrokenError, ReplicaUnhealthyError) as exc:
                 unhealthy = isinstance(exc, ReplicaUnhealthyError)
-                backend.purge(target, f"unhealthy ({exc})" if unhealthy else f"died ({type(exc).__name__})")
+                door.purge(target, f"unhealthy ({exc})" if unhealthy else f"died ({type(exc).__name__})")
                 failed.append(target)
-                if delivered and job.msg.temperature > 0 and job.msg.seed is None:
+                if delivered and job.msg.params.temperature > 0 and job.msg.params.seed is None:
                     job.stream.put(StreamEnd(ReplicaFailedError(
                         f"replica {target} died mid-stream; an unseeded sampled request cannot resume: retry")))
                     return
-                backend.num_retries += 1
+                door.count_retry()
             finally:
-                backend.release(target)
+                door.release(target)
         job.stream.put(StreamEnd(ReplicaFailedError(f"no replica completed the request in "
-                                                    f"{backend.config.max_attempts} attempts")))
+                                                    f"{door.max_attempts} attempts")))
     except Exception as exc:  # noqa: BLE001 - whatever it is, the caller gets it, not a hang
         job.stream.put(StreamEnd(exc))
 
 
-def stream_from(backend, job: Job, target: str, delivered: list[int]) -> bool:
-    """Stream `target`'s deltas into the job's stream; True when the request finished."""
-    rep = backend.replicas.get(target)
+def stream_from(door: FrontDoor, job: Job, target: str, delivered: list[int]) -> bool:
+    """Stream `target`'s outputs into the job's stream; True when the request finished."""
+    rep = door.replica(target)
     if rep is None:  # found dead (by another request or a health check) since it was chosen
         raise StreamBrokenError(f"replica {target} is gone")
     job.replica_id = target
     produced = 0  # tokens this attempt has produced (a retry starts again from 0)
     for ref in rep.actor.generate_stream.remote(job.msg):
-        delta = ray.get(ref)
+        delta: RequestOutput = ray.get(ref)
         new = delta.new_token_ids
         overlap = max(0, min(produced + len(new), len(delivered)) - produced)
         if tuple(delivered[produced: produced + overlap]) != tuple(new[:overlap]):
@@ -99,14 +123,10 @@ def stream_from(backend, job: Job, target: str, delivered: list[int]) -> bool:
             continue  # a prefill chunk, or tokens the caller already has
         delivered.extend(fresh)
         logprobs = None if delta.logprobs is None else tuple(delta.logprobs[len(delta.logprobs) - len(fresh):])
-        out = RequestOutput(job.msg.request_id, tuple(fresh), tuple(delivered), delta.finished, delta.finish_reason,
-                            delta.num_prompt_tokens, delta.num_cached_tokens, delta.ttft_s,
-                            delta.num_draft_proposed, delta.num_draft_accepted, logprobs,
-                            delta.num_computed_prompt_tokens, num_preemptions=delta.num_preemptions)
+        out = dataclasses.replace(delta, new_token_ids=tuple(fresh), token_ids=tuple(delivered), logprobs=logprobs)
         if out.finished:
-            backend.transfers.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
-            if job.report_replica:
-                backend._served_by[job.msg.request_id] = target
+            job.served_by = target
+            door.finished(job)
         job.stream.put(out)
         if out.finished:
             return True

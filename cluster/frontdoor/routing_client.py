@@ -88,7 +88,7 @@ class RoutingClient:
             self._service = ray.get_actor(self.service_name, namespace=self.namespace)
         return self._service
 
-    def hashes(self, prompt: list[int], salt: str | None) -> tuple:
+    def hashes(self, prompt: list[int] | tuple[int, ...], salt: str | None) -> tuple:
         return tuple(RequestBlockHashes(self.hash_block_size, prompt, model_fingerprint=self.fingerprint,
                                         cache_salt=salt).hashes)
 
@@ -99,8 +99,9 @@ class RoutingClient:
         candidates = {r: n for r, n in inflight.items() if r not in exclude}
         if not candidates:
             raise NoReplicaError("no live replica")
-        request = RouteRequestMsg(self.hashes(msg.prompt_token_ids, msg.cache_salt), len(msg.prompt_token_ids),
-                                  msg.cache_salt, msg.max_tokens, forced if forced in candidates else None,
+        hashes = msg.block_hashes if msg.block_hashes is not None else self.hashes(msg.prompt_token_ids, msg.cache_salt)
+        request = RouteRequestMsg(hashes, len(msg.prompt_token_ids),
+                                  msg.cache_salt, msg.params.max_tokens, forced if forced in candidates else None,
                                   tuple(exclude), dry_run)
         try:
             decision = self.batcher.submit(request).result()  # None: a restarted service that knows no replica

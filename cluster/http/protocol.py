@@ -33,6 +33,10 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) when a field asks for something this server does not do; None: all fine."""
+        return None
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from cluster.http.backend import Backend
 from cluster.http.errors import HttpError
 from cluster.http.metrics import Metrics
 from cluster.http.streaming import SseResponse, follow, sse_event, stream_error
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class RequestDriver:
-    def __init__(self, backend, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics) -> None:
         self.backend = backend
         self.metrics = metrics
 
@@ -49,8 +50,7 @@ class RequestDriver:
         early stop (stop string), not a failure."""
         if status is not None:
             self.metrics.record_failure(status)
-        if hasattr(self.backend, "abort"):
-            asyncio.get_running_loop().run_in_executor(None, self.backend.abort, stream.request_id)
+        asyncio.get_running_loop().run_in_executor(None, self.backend.abort, stream.request_id)
 
     async def _updates(self, stream: RequestStream, started_s: float, state: CompletionState):
         """(Increment | StreamEnd) until the state is finished; stops the engine request when

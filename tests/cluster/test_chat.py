@@ -100,6 +100,13 @@ def test_chat_needs_a_tokenizer_and_the_key(server):
 
 class _NoBackend:
     num_unfinished = 0
+    max_model_len = None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def attach_metrics(self, metrics) -> None:
+        pass
 
     def submit(self, *args):
         raise AssertionError("never reached")

@@ -30,6 +30,9 @@ class LateRunner:
     def abort(self, request_id: str) -> None:
         self.runner.abort(request_id)
 
+    def attach_metrics(self, metrics) -> None:
+        pass
+
 
 BACKEND = LateRunner()
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(BACKEND, "tiny", tokenizer=ByteTokenizer()))

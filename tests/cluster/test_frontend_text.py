@@ -65,6 +65,13 @@ class ByteStreamBackend:
     """Streams the bytes of TEXT one token per output, like a model emitting a multi-byte char."""
 
     num_unfinished = 0
+    max_model_len = None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def attach_metrics(self, metrics) -> None:
+        pass
 
     def submit(self, prompt, params, cache_salt=None) -> RequestStream:
         ids = ByteTokenizer().encode(TEXT)
