@@ -127,13 +127,14 @@ class Env:
 
 
 def make_backend(model_dir: str, config: FaultConfig, tp_size: int = 1, num_replicas: int = 2):
-    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
     from workers.engine.config import EngineConfig
 
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=config.cache_memory_bytes)
     from bench.fault_doubles import FaultyReplica
 
-    return ClusterBackend(model_dir, engine, BackendConfig(num_replicas=num_replicas, tp_size=tp_size,
+    return ClusterBackend(model_dir, engine, ClusterConfig(name=None, num_replicas=num_replicas, tp_size=tp_size,
                                                            transfer_timeout_s=30.0), replica_cls=FaultyReplica)
 
 

@@ -101,20 +101,11 @@ def build_backend(config: ServeConfig, model_dir: str):
         # loopback only: Ray reads this when first imported (below); without it, workers report
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from cluster.control.autoscaler import AutoscalerConfig
     from cluster.control.ray_cluster import connect_ray
-    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import ClusterBackend
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
-    r = config.router
-    backend = ClusterBackend(model_dir, engine_config, BackendConfig(
-        num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
-        router=r.router_config(),
-        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name, restart=c.restart,
-        # min == max: a fixed count, kept by the controller's restarter (dead replicas replaced with a backoff)
-        autoscaler=None if c.min_replicas == c.max_replicas else AutoscalerConfig(
-            c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
-            c.warm_prefixes)))
+    backend = ClusterBackend(model_dir, engine_config, c, config.router)
     return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 
@@ -142,9 +133,10 @@ def build_app(config: ServeConfig) -> Server:
         from cluster.frontdoors import start_frontdoors
 
         server.frontdoors = start_frontdoors(
-            config.cluster.num_frontends - 1, model_dir, backend.engine_config, backend.config, config.http.host,
+            config.cluster.num_frontends - 1, model_dir, backend.engine_config, config.cluster, config.http.host,
             config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
-            model_name=config.model.served_model_name, chat_template=config.model.chat_template)
+            model_name=config.model.served_model_name, chat_template=config.model.chat_template,
+            router=config.router)
     return server
 
 

@@ -31,26 +31,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from cluster.config import AutoscalerConfig
+
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AutoscalerConfig:
-    min_replicas: int = 1
-    max_replicas: int = 1
-    scale_up_queue_depth: float = 4.0  # requests in flight per replica above which one is added
-    scale_down_idle_s: float = 60.0  # nothing in flight this long: one is removed
-    interval_s: float = 1.0  # between steps of `start()`'s loop
-    warm_prefixes: int = 8  # hot prefixes copied onto a new replica
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"autoscaler: need 1 <= min_replicas <= max_replicas, got min_replicas="
-                             f"{self.min_replicas}, max_replicas={self.max_replicas}")
-        if self.scale_up_queue_depth <= 0 or self.interval_s <= 0:
-            raise ValueError("autoscaler: scale_up_queue_depth and interval_s must be positive")
-        if self.scale_down_idle_s < 0 or self.warm_prefixes < 0:
-            raise ValueError("autoscaler: scale_down_idle_s and warm_prefixes must be >= 0")
 
 
 class ScaleAction(str, Enum):

@@ -26,7 +26,9 @@ import time
 
 import ray
 
+from cache_service.router import RouterConfig
 from cache_service.service import CacheService
+from cluster.config import ClusterConfig
 from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.control.replica_set import ReplicaSet
 from cluster.control.transfers import Transfers
@@ -38,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class ClusterController:
-    def __init__(self, cluster_name: str, model_dir: str, engine_config, config, replica_cls) -> None:
-        """`config`: the front door's `BackendConfig` (replicas, resources, health, autoscaler)."""
+    def __init__(self, cluster_name: str, model_dir: str, engine_config, config: ClusterConfig,
+                 router: RouterConfig, replica_cls: type) -> None:
+        """`config`: replicas, resources, health, transfers, autoscaler; `router`: the cache service's."""
         logging.basicConfig(level=logging.INFO)
         self.config = config
         self.namespace = ray.get_runtime_context().namespace
@@ -53,7 +56,7 @@ class ClusterController:
         first = next(iter(self.replicas.replicas.values())).info
         self.service = ray.remote(CacheService).options(
             name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(list(first.groups), first.eagle, first.fingerprint, config.policy, config.router,
+        ).remote(list(first.groups), first.eagle, first.fingerprint, router.policy, router,
                  drop_rule=engine_config.drop_rule)
         ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
         self.replicas.attach_all()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cluster.control.autoscaler import AutoscalerConfig, ReplicaAutoscaler, ScalableReplicas
-from cluster.control.replica_restarts import ReplicaRestartConfig, ReplicaRestarter
+from cluster.config import AutoscalerConfig, ReplicaRestartConfig
+from cluster.control.autoscaler import ReplicaAutoscaler, ScalableReplicas
+from cluster.control.replica_restarts import ReplicaRestarter
 
 REMOVED = "removed"  # the purge reason of a replica removed on purpose (`ReplicaSet.purge`)
 

@@ -26,42 +26,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.config import ReplicaRestartConfig
+
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 5.0  # the thread's longest sleep with nothing due (a death wakes it at once)
 HISTORY_LEN = 256  # attempts remembered (a crash loop must not grow memory without bound)
 
 
-@dataclass(frozen=True)
-class ReplicaRestartConfig:
-    """The crash-loop backoff of a fixed-size cluster's replacements (YAML: `cluster.restart`)."""
 
-    backoff_initial_s: float = 1.0  # wait before a slot's second replacement in a row (the first: at once)
-    backoff_multiplier: float = 2.0  # each further one in a row waits this many times longer...
-    backoff_max_s: float = 60.0  # ...but never longer than this
-    backoff_reset_s: float = 300.0  # a replacement that ran this long without dying: the slot's count restarts
-
-    def __post_init__(self) -> None:
-        if not self.backoff_initial_s > 0:
-            raise ValueError(f"backoff_initial_s must be > 0, got {self.backoff_initial_s}")
-        if not self.backoff_multiplier >= 1:
-            raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
-        if not self.backoff_max_s >= self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s must be >= backoff_initial_s, got backoff_max_s="
-                             f"{self.backoff_max_s} < backoff_initial_s={self.backoff_initial_s}")
-        if not self.backoff_reset_s > 0:
-            raise ValueError(f"backoff_reset_s must be > 0, got {self.backoff_reset_s}")
-
-    def delay_s(self, num_failures: int) -> float:
-        """Wait before the replacement after `num_failures` (>= 1) deaths or failed starts in a row."""
-        if num_failures <= 1:
-            return 0.0
-        delay = self.backoff_initial_s
-        for _ in range(num_failures - 2):
-            if delay >= self.backoff_max_s or self.backoff_multiplier == 1:
-                break
-            delay *= self.backoff_multiplier
-        return min(delay, self.backoff_max_s)
 
 
 @dataclass(frozen=True)

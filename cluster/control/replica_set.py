@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from cluster.config import ClusterConfig
 from cluster.control.replica_count import REMOVED
 from cluster.ids import placement_group_name, replica_id
 from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
@@ -41,9 +42,9 @@ class ReplicaHandle:
 
 
 class ReplicaSet:
-    def __init__(self, model_dir: str, engine_config, config, service_name: str, namespace: str | None,
+    def __init__(self, model_dir: str, engine_config, config: ClusterConfig, service_name: str, namespace: str | None,
                  secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
-        """`config`: the backend config (replica resources, TP size, streams per replica).
+        """`config`: replica resources, TP size, streams per replica.
         `on_purge(replica_id, reason)`: called after a replica was purged (index, channels, restarts)."""
         self.model_dir = model_dir
         self.engine_config = engine_config
@@ -51,7 +52,7 @@ class ReplicaSet:
         self.service_name = service_name
         self.namespace = namespace
         self.secret = secret
-        self._cls = ray.remote(**actor_options(config.replica_max_streams))(replica_cls)
+        self._cls = ray.remote(**actor_options(config.max_streams_per_replica))(replica_cls)
         self._on_purge = on_purge
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -66,21 +67,21 @@ class ReplicaSet:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         c = self.config
-        bundle = {"CPU": c.replica_num_cpus or 0.001}
-        if c.replica_num_gpus:
-            bundle["GPU"] = c.replica_num_gpus
+        bundle = {"CPU": c.num_cpus_per_rank or 0.001}
+        if c.num_gpus_per_rank:
+            bundle["GPU"] = c.num_gpus_per_rank
         started = []
         for node in self.spread(n):
             rid = replica_id(next(self._ids))
             pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK",
                                  name=placement_group_name(self.service_name, rid), _soft_target_node_id=node)
             rank0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-            ranks = {"num_cpus": c.replica_num_cpus, "num_gpus": c.replica_num_gpus,
+            ranks = {"num_cpus": c.num_cpus_per_rank, "num_gpus": c.num_gpus_per_rank,
                      "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=-1)}
-            actor = self._cls.options(num_cpus=c.replica_num_cpus, num_gpus=c.replica_num_gpus, max_restarts=0,
+            actor = self._cls.options(num_cpus=c.num_cpus_per_rank, num_gpus=c.num_gpus_per_rank, max_restarts=0,
                                       scheduling_strategy=rank0).remote(
                 rid, self.model_dir, self.engine_config, c.tp_size, c.distributed_backend, None, None,
-                c.replica_max_streams, ranks if c.tp_size > 1 else None)
+                c.max_streams_per_replica, ranks if c.tp_size > 1 else None)
             started.append((rid, actor, pg))
         try:
             infos = ray.get([a.describe.remote() for _, a, _ in started])
@@ -105,7 +106,7 @@ class ReplicaSet:
         """A target node per new replica: the alive nodes with the replica's resources holding
         the fewest replicas first (Ray's own placement was seen stacking replicas on one node
         while another was idle). None: one node, let Ray place it."""
-        cpus, gpus = self.config.replica_num_cpus, self.config.replica_num_gpus
+        cpus, gpus = self.config.num_cpus_per_rank, self.config.num_gpus_per_rank
         nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")
                  and node.get("Resources", {}).get("CPU", 0) >= cpus
                  and node.get("Resources", {}).get("GPU", 0) >= gpus]

@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import ray
@@ -39,9 +38,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
 from cache_service.transfer_plan import plan_transfer
-from cluster.control.autoscaler import AutoscalerConfig
+from cluster.config import ClusterConfig
 from cluster.control.controller import AutoscalerProxy, ClusterController
-from cluster.control.replica_restarts import ReplicaRestartConfig
 from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
@@ -64,40 +62,20 @@ log = logging.getLogger(__name__)
 SERVICE_TIMEOUT_S = 10.0
 MEMBERSHIP_INTERVAL_S = 0.5
 
-__all__ = ["BackendConfig", "ClusterBackend", "ReplicaFailedError"]
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    num_replicas: int = 1
-    tp_size: int = 1
-    distributed_backend: str = "gloo"
-    policy: str = "hybrid"
-    router: RouterConfig = field(default_factory=RouterConfig)
-    max_inflight: int = 4096  # accepted, unfinished requests (queued, not refused); beyond: 429
-    max_attempts: int = 3  # replicas tried per request
-    replica_num_cpus: float = 0.0
-    replica_num_gpus: float = 0.0
-    replica_max_streams: int = 512  # streams in flight per replica (its own concurrency group)
-    hot_prefixes: int = 32  # remembered for warming new replicas
-    transfer_timeout_s: float = 120.0
-    health_interval_s: float = 2.0  # replicas pinged this often (0: only when a call fails)
-    health_timeout_s: float = 10.0  # a ping unanswered this long is missed...
-    health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
-    cluster_name: str | None = None  # names the controller and cache-service actors (default: a fresh one)
-    autoscaler: AutoscalerConfig | None = None  # run by the controller (None: a fixed replica count)
-    restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)  # fixed count: dead replicas replaced
+__all__ = ["ClusterBackend", "ReplicaFailedError"]
 
 
 class ClusterBackend:
-    def __init__(self, model_dir: str, engine_config, config: BackendConfig | None = None,
-                 replica_cls: type = TransferReplica) -> None:
-        """Attach to the cluster named `config.cluster_name` if its controller runs; else start it
-        (a detached controller: it outlives this front door until `shutdown(stop_cluster=True)`)."""
+    def __init__(self, model_dir: str, engine_config, config: ClusterConfig | None = None,
+                 router: RouterConfig | None = None, replica_cls: type = TransferReplica) -> None:
+        """Attach to the cluster named `config.name` if its controller runs; else start it (a
+        detached controller: it outlives this front door until `shutdown(stop_cluster=True)`).
+        `config` None: one replica, a cluster of its own (a fresh name)."""
         self.model_dir = model_dir
         self.engine_config = engine_config
-        self.config = config or BackendConfig()
-        self.name = self.config.cluster_name or new_cluster_name()
+        self.config = config or ClusterConfig(name=None)
+        self.router = router or RouterConfig()
+        self.name = self.config.name or new_cluster_name()
         self.namespace = ray.get_runtime_context().namespace
         try:
             self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
@@ -106,7 +84,7 @@ class ClusterBackend:
             self.controller = ray.remote(ClusterController).options(
                 name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
                 max_concurrency=64, max_restarts=0, get_if_exists=True,
-            ).remote(self.name, model_dir, engine_config, self.config, replica_cls)
+            ).remote(self.name, model_dir, engine_config, self.config, self.router, replica_cls)
             self.owns_cluster = True
         ray.get(self.controller.ready.remote())
         self.replicas = MembershipView(self.controller)
@@ -264,7 +242,7 @@ class ClusterBackend:
             if rep is not None:  # else gone meanwhile: the attempt fails over
                 rep.num_inflight += 1
         if self.metrics is not None:
-            self.metrics.record_route(self.config.policy if decision else "load_only", target)
+            self.metrics.record_route(self.router.policy if decision else "load_only", target)
         self.on_routed(job.msg, decision, target)
         if decision is not None:
             move = plan_transfer(decision, target)

@@ -37,3 +37,4 @@ def test_the_best_holder_is_the_largest_hit_and_a_target_without_estimate_hits_z
     assert holder == ReplicaEstimate("c", 320, 0.0, 320)
     assert better_holder(make_decision({}), "a") is None
     assert plan_transfer(make_decision({"b": 1}), "a") == ("b", "a", 1)
+

@@ -21,14 +21,15 @@ ENGINE = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32
 def cluster(tiny_dir):
     import ray
 
+    from cluster.config import ClusterConfig
     from cluster.control.ray_cluster import start_local_ray
-    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
+    from cluster.frontdoor.backend import ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rd", dir="/tmp")
     start_local_ray(num_cpus=2)
-    config = BackendConfig(num_replicas=2, cluster_name="doors-test")
+    config = ClusterConfig(num_replicas=2, name="doors-test")
     owner = ClusterBackend(tiny_dir, ENGINE, config)
     yield owner, config
     owner.shutdown()

@@ -18,9 +18,10 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64
 
 
 def _backend(tiny_dir, **kw):
-    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
-    return ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2, **kw))
+    return ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=2, **kw))
 
 
 def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_session, tiny_dir):
@@ -144,9 +145,10 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
 def test_prompts_served_through_submit_warm_a_new_replica(ray_session, tiny_dir):
     """Regression: only `generate` (tests) recorded hot prefixes, so HTTP traffic never warmed
     an autoscaled replica."""
-    from cluster.frontdoor.backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
-    backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=1))
+    backend = ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=1))
     try:
         prompt = make_prompt(500, 95)
         cold = list(backend.submit(prompt, PARAMS))[-1]  # the front end's path
