@@ -61,7 +61,7 @@ class Replica:
         self.tp_size = tp_size
         self.events = EventSink(replica_id)
         if tp_size > 1:
-            from workers.model.tensor_parallel import create_tp_engine
+            from workers.tp_worker import create_tp_engine
 
             engine = create_tp_engine(model_dir, engine_config, tp_size, backend=backend, events=self.events,
                                       ray_actor_options=tp_actor_options)
