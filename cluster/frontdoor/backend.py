@@ -1,18 +1,21 @@
-"""A front door onto the cluster: it has the `EngineRunner` interface the HTTP front end drives
-(`submit(prompt, params, cache_salt) -> RequestStream`, `abort`, `num_unfinished`). Several
-front doors may serve one cluster; each composes one object per concept:
+"""A front door onto the cluster: it implements the HTTP front end's `Backend` protocol
+(`cluster.http.backend`). Several front doors may serve one cluster; each composes one object
+per concept:
 
-    controller      (controller.py, a detached named actor: found, or started by the first front
-                    door) replica lifecycle, health, autoscaling, warm-up, transfers
+    controller      (control/controller.py, a detached named actor: found, or started by the first
+                    front door) replica lifecycle, health, autoscaling, warm-up, transfers
     MembershipView  (membership.py)      the replicas' handles, refreshed from the controller
     RoutingClient   (routing_client.py)  one cache-service call per decision (batched under load);
                                          load-only routing while the service is down
-    request_streams (request_streams.py) serving one request: retries, token deltas, no token twice
+    request_streams (request_streams.py) serving one request: retries, outputs, no token twice
+    HotPrefixes     (hot_prefixes.py)    the prompts served, handed to the controller for warming
+    ClusterStatus   (status.py)          the controller's, the service's and this door's counts
 
     submit(request)                                   (returns at once; a worker thread serves it)
+      0. hash the prompt, once (the replica's engine adopts the hashes)
       1. route: one call to the cache service (no lock, no pull); if the plan says the holder is
          busy, the controller moves its pages to the chosen replica first (recompute on failure)
-      2. stream the replica's token deltas into the request's stream
+      2. stream the replica's outputs into the request's stream
       3. the replica died or reports itself unhealthy: the controller purges (stops) it, the
          request is served elsewhere; tokens the caller already has are not sent twice (greedy and
          seeded outputs are deterministic; an unseeded sampled request that had already streamed
@@ -34,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from cache_service.router import RouterConfig
 from cache_service.transfer_plan import plan_transfer
@@ -45,6 +47,7 @@ from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
+from cluster.frontdoor.status import ClusterStatus
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
 from cluster.messages import TransferMsg
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
@@ -92,15 +95,13 @@ class ClusterBackend:
         self._jobs: dict[str, Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self.metrics: Metrics | None = None
-        self._controller_counters: dict = {}
         self.num_retries = 0
-        self._resyncs_seen = self._resyncs_before = 0  # as counted by the cache service (and its predecessors)
-        self._service_epoch: str | None = None
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
                        "alignment": first.alignment}
         self.service_name = self.replicas.service_name
         self.service = ray.get_actor(self.service_name, namespace=self.namespace)
+        self.status = ClusterStatus(self.controller, self.service)
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
         self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.frontdoor_id = new_frontdoor_id()
@@ -157,15 +158,7 @@ class ClusterBackend:
 
     def attach_metrics(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        metrics.attach_cluster_counters(self.controller_counters)
-
-    def controller_counters(self) -> dict:
-        """The controller's counters (replica deaths, restarts, transfers); the last seen while it is busy."""
-        try:
-            self._controller_counters = ray.get(self.controller.stats.remote(), timeout=2.0)
-        except Exception:  # noqa: BLE001 - busy or gone: the last known values
-            pass
-        return self._controller_counters
+        metrics.attach_cluster_counters(self.status.controller_counters)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, replica_id: str | None = None) -> RequestStream:
@@ -278,24 +271,8 @@ class ClusterBackend:
     # ---- status ---------------------------------------------------------------------------------
     @property
     def counters(self) -> dict:
-        """Routing, transfer, failure and resync counts (resyncs: as the cache service counts them,
-        summed across its restarts)."""
-        try:
-            stats = ray.get(self.service.stats.remote(), timeout=2.0)
-            if stats["epoch"] != self._service_epoch:  # a restarted service counts from 0 again
-                self._resyncs_before += self._resyncs_seen
-                self._service_epoch = stats["epoch"]
-            self._resyncs_seen = stats["resyncs"]
-        except (RayActorError, GetTimeoutError):
-            pass
-        try:
-            controller = ray.get(self.controller.stats.remote(), timeout=10)
-        except Exception:  # noqa: BLE001
-            controller = {}
-        return {"replica_deaths": controller.get("replica_deaths", 0),
-                "replica_restarts": controller.get("replica_restarts", 0), "transfers": controller.get("transfers", 0),
-                "transfer_failures": controller.get("transfer_failures", 0), **self.routing.counters,
-                "retries": self.num_retries, "service_resyncs": self._resyncs_before + self._resyncs_seen}
+        """Routing, transfer, failure and resync counts (`frontdoor.status`)."""
+        return self.status.counters(self.routing.counters, self.num_retries)
 
     def stats(self) -> dict:
         with self._lock:
