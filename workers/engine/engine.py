@@ -289,11 +289,8 @@ class LLMEngine:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)
-        if self.cache.holds(req) and reason is not FinishReason.ABORT:
-            self.cache.publish(req)
-            self.cache.keep_final_states(req)
         if self.cache.holds(req):
-            self.cache.release(req)
+            self.cache.retire(req, keep=reason is not FinishReason.ABORT)
 
 
 def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
