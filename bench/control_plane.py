@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -34,6 +33,7 @@ import tracemalloc
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.reports import default_report, write_report
 from bench.sim_replicas import GROUPS, HASH_BLOCK, SimReplicaHost, document_hashes, synthetic_cache
 
 TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
@@ -335,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resync-entries", type=int, default=PlaneConfig.resync_entries)
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-request comparison (needs the model)")
     p.add_argument("--model", default=TINY_TRAINED)
-    p.add_argument("--out", default="bench-control-plane.json")
+    p.add_argument("--out", default=default_report("control-plane"), help="JSON report path (default: under out/)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = PlaneConfig(replicas=tuple(int(x) for x in args.replicas.split(",")), decisions=args.decisions,
                          resync_entries=args.resync_entries)
     report = run_all(config, not args.no_tiny, args.model)
     print(format_table(report))
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    write_report(args.out, report)
     print(f"report: {args.out}")
     return 0
 

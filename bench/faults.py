@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 
 from bench.fault_env import Env, FaultConfig, ScenarioResult
 from bench.fault_probes import Probe, finish_probes, probe_reference, start_probes
+from bench.reports import default_report, write_report
 
 TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
 SCENARIOS = ("drop_events", "reorder_events", "corrupt_transfer", "evict_while_routed", "kill_cache_service",
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=FaultConfig.num_prompts)
     p.add_argument("--prompt-len", type=int, default=FaultConfig.prompt_len)
     p.add_argument("--model", default=TINY_TRAINED)
-    p.add_argument("--out", default="bench-faults.json", help="JSON report path")
+    p.add_argument("--out", default=default_report("faults"), help="JSON report path (default: under out/)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     names = [s for s in args.scenarios.split(",") if s]
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     report = {"config": asdict(config), "wall_s": round(time.perf_counter() - t0, 1),
               "scenarios": [asdict(r) | {"ok": r.ok} for r in results]}
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     print(f"report: {args.out} ({report['wall_s']}s)")
     return 0 if all(r.ok for r in results) else 1
 

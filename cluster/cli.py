@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("workers.generate", "run prompts through one engine (cold, then warm with --repeat 2)"),
     "train-tiny": ("workers.train.train_tiny", "train the tiny hybrid checkpoint shipped in configs/models"),
     "simulate": ("cache_service.trace_sim.cli", "replay a Mooncake trace through R simulated replicas"),
+    "gen-trace": ("cache_service.trace_sim.generate", "write a seeded multi-turn trace (chat, agent loops)"),
     "loadtest": ("cluster.loadtest", "drive a server with seeded workloads; TTFT cold vs warm, hit rates, --compare"),
 }
 

@@ -173,6 +173,9 @@ class ModelSection:
     init_config: str | None = None  # with an empty `path`: serve a random checkpoint from this YAML
     served_model_name: str | None = None  # the API's model id (None: the checkpoint dir's name)
     chat_template: str | None = None  # a Jinja file or inline template (None: the checkpoint's)
+    # vLLM's --generation-config: auto (the checkpoint's generation_config.json), vllm (none of its
+    # sampling defaults), or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -180,6 +183,8 @@ class ModelSection:
             raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("model.served_model_name must not be empty")
+        if not self.generation_config.strip():
+            raise ConfigError("model.generation_config must be auto, vllm or a folder, got ''")
 
 
 @dataclass(frozen=True)

@@ -27,25 +27,26 @@ class FrontDoor:
 
     def __init__(self, model_dir: str, engine_config, cluster_config: ClusterConfig, host: str | None = None,
                  port: int = 0, api_key: str | None = None, max_body_bytes: int = 4 * 2**20,
-                 model_name: str | None = None, chat_template: str | None = None,
+                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
                  router: RouterConfig | None = None) -> None:
         from cluster.frontdoor.backend import ClusterBackend
 
         self.backend = ClusterBackend(model_dir, engine_config, cluster_config, router)
         self.url: str | None = None
         if host is not None:
-            self._serve_http(model_dir, host, port, api_key, max_body_bytes, model_name, chat_template)
+            self._serve_http(model_dir, host, port, api_key, max_body_bytes, model_name, chat_template,
+                             generation_config)
 
     def _serve_http(self, model_dir: str, host: str, port: int, api_key, max_body_bytes: int, model_name,
-                    chat_template) -> None:
+                    chat_template, generation_config) -> None:
         import uvicorn
 
         from cluster.http.app import create_app
         from cluster.text.text_model import load_text_model
 
+        text = load_text_model(model_dir, chat_template, generation_config)
         app = create_app(self.backend, model_name or Path(model_dir).name, api_key=api_key,
-                         max_body_bytes=max_body_bytes, text=load_text_model(model_dir, chat_template),
-                         model_root=model_dir)
+                         max_body_bytes=max_body_bytes, text=text, model_root=model_dir)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         threading.Thread(target=self._server.run, name="uvicorn", daemon=True).start()
         self.url = f"http://{host}:{port}"

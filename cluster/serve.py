@@ -117,7 +117,7 @@ def build_app(config: ServeConfig) -> Server:
 
     model_dir = resolve_model_dir(config)
     try:
-        text = load_text_model(model_dir, config.model.chat_template)
+        text = load_text_model(model_dir, config.model.chat_template, config.model.generation_config)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     backend, autoscaler, embedded = build_backend(config, model_dir)
@@ -136,7 +136,7 @@ def build_app(config: ServeConfig) -> Server:
             config.cluster.num_frontends - 1, model_dir, backend.engine_config, config.cluster, config.http.host,
             config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
             model_name=config.model.served_model_name, chat_template=config.model.chat_template,
-            router=config.router)
+            generation_config=config.model.generation_config, router=config.router)
     return server
 
 

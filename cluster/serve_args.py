@@ -24,6 +24,7 @@ SETTINGS = {
     "served_model_name": "model.served_model_name",
     "dtype": "model.dtype",
     "chat_template": "model.chat_template",
+    "generation_config": "model.generation_config",
     "tensor_parallel_size": "cluster.tp_size",
     "max_model_len": "engine.max_model_len",
     "num_speculative_tokens": "engine.num_spec_tokens",
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached prefixes (engine.enable_prefix_caching)")
     p.add_argument("--chat-template", help="a Jinja chat template file or inline string (model.chat_template)")
+    p.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
+                   help="request defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens): "
+                        "auto = the checkpoint's generation_config.json, vllm = none of them (OpenAI defaults), "
+                        "FOLDER = that folder's generation_config.json (model.generation_config)")
     p.add_argument("--version", action="version", version=f"hybridserve {VERSION}")
     return p
 

@@ -1,7 +1,8 @@
 """OpenAI request fields -> `SamplingParams`, and engine logprobs -> OpenAI's two logprobs shapes.
 
 Defaults a request leaves out come from the checkpoint's generation_config.json (as vLLM does),
-else the server's: temperature 0 (greedy), top_p 1, top_k off, repetition_penalty 1.
+else OpenAI's and vLLM's: temperature 1.0 (sampling; send 0 for greedy), top_p 1, top_k off,
+repetition_penalty 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     if not body.ignore_eos:
         stops += [t for t in eos_token_ids if t not in stops]
     return SamplingParams(
-        max_tokens=max_tokens, temperature=pick("temperature", 0.0), top_p=pick("top_p", 1.0),
+        max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
         top_k=max(0, pick("top_k", 0)), seed=body.seed, stop_token_ids=tuple(stops), ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=body.min_tokens, logprobs=logprobs)

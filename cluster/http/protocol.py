@@ -50,7 +50,7 @@ class ResponseFormat(_Strict):
 
 class SamplingFields(_Strict):
     model: str | None = None
-    # None: generation_config.json's value, else the server default (temperature 0 = greedy here)
+    # None: generation_config.json's value, else OpenAI's default (temperature 1.0; 0 = greedy)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
@@ -79,7 +79,13 @@ class SamplingFields(_Strict):
 
     @property
     def include_usage(self) -> bool:
+        """A stream ends with one extra chunk holding `usage` and no choices (OpenAI, vLLM)."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk with choices also carries `usage` (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def stop_strings(self) -> list[str]:

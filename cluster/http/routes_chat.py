@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from cluster.http.api import Api
 from cluster.http.openai_format import chat_logprobs
 from cluster.http.protocol import ERROR_RESPONSES, ChatCompletionRequest
+from cluster.http.streaming import with_usage
 from cluster.ids import completion_id
 from cluster.text.completion_state import CompletionState, Increment
 
@@ -45,8 +46,7 @@ def _logprobs(api: Api, token_ids, lps):
 
 def _chunker(api: Api, body: ChatCompletionRequest, state: CompletionState, head: dict):
     """increment -> the SSE chunks it makes: the role first, content deltas, then the finish
-    reason (and usage, when asked)."""
-    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    reason (usage as `streaming.with_usage` adds it)."""
     started = [False]
 
     def chunks(inc: Increment) -> list[dict]:
@@ -61,10 +61,6 @@ def _chunker(api: Api, body: ChatCompletionRequest, state: CompletionState, head
         if inc.finished:
             events.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": inc.finish_reason,
                                                 "stop_reason": inc.stop_reason, "logprobs": None}]})
-            if body.include_usage:
-                events.append({**head, "choices": [], "usage": state.usage()})
-        if continuous:
-            events = [{**e, "usage": state.usage()} if e["choices"] else e for e in events]
-        return events
+        return with_usage(body, state, head, events, inc.finished)
 
     return chunks

@@ -10,6 +10,7 @@ from cluster.http.api import Api
 from cluster.http.errors import HttpError
 from cluster.http.openai_format import completion_logprobs
 from cluster.http.protocol import ERROR_RESPONSES, CompletionRequest
+from cluster.http.streaming import with_usage
 from cluster.ids import completion_id
 from cluster.text.completion_state import CompletionState, Increment
 
@@ -69,9 +70,6 @@ def _chunker(api: Api, body: CompletionRequest, state: CompletionState, head: di
                   "logprobs": _logprobs(api, inc.token_ids, inc.logprobs, offset),
                   "finish_reason": inc.finish_reason if inc.finished else None,
                   "stop_reason": inc.stop_reason if inc.finished else None}
-        chunk = {**head, "choices": [choice]}
-        if inc.finished or (body.stream_options and body.stream_options.continuous_usage_stats):
-            chunk["usage"] = state.usage()
-        return [chunk]
+        return with_usage(body, state, head, [{**head, "choices": [choice]}], inc.finished)
 
     return chunks

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from cluster.http.metrics import Metrics
-from cluster.text.completion_state import prompt_tokens_details
+from cluster.http.protocol import SamplingFields
+from cluster.text.completion_state import CompletionState, prompt_tokens_details
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream, StreamEnd
 
@@ -37,6 +38,17 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": len(out.token_ids),
             "total_tokens": out.num_prompt_tokens + len(out.token_ids),
             "prompt_tokens_details": prompt_tokens_details(out.num_cached_tokens, out.num_computed_prompt_tokens)}
+
+
+def with_usage(body: SamplingFields, state: CompletionState, head: dict, events: list[dict],
+               finished: bool) -> list[dict]:
+    """A step's SSE chunks (`head` + choices) with usage as OpenAI and vLLM send it, for both endpoints:
+    on every chunk under `continuous_usage_stats`, and with `include_usage` one last chunk of no choices."""
+    if body.continuous_usage:
+        events = [{**e, "usage": state.usage()} for e in events]
+    if finished and body.include_usage:
+        events.append({**head, "choices": [], "usage": state.usage()})
+    return events
 
 
 def stream_error(item: StreamEnd) -> dict:

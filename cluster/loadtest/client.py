@@ -63,10 +63,11 @@ async def _send(client: httpx.AsyncClient, body: dict, rec: RequestRecord, t_run
                     rec.status = "stream_error"
                     rec.error = str(error.get("message", error) if isinstance(error, dict) else error)[:300]
                     return
-                tokens = chunk["choices"][0].get("token_ids") or []
-                if rec.ttft_s is None and (tokens or chunk["choices"][0].get("finish_reason")):
-                    rec.ttft_s = time.perf_counter() - t0
-                rec.output_token_ids += tokens
+                for choice in chunk["choices"]:  # none in the final usage chunk
+                    tokens = choice.get("token_ids") or []
+                    if rec.ttft_s is None and (tokens or choice.get("finish_reason")):
+                        rec.ttft_s = time.perf_counter() - t0
+                    rec.output_token_ids += tokens
                 usage = chunk.get("usage")
                 if usage:
                     rec.completion_tokens = usage.get("completion_tokens")
@@ -111,7 +112,7 @@ async def _run_specs(url: str, workload: Workload, config: WorkloadConfig, api_k
                 if spec.arrival_s is not None:
                     await asyncio.sleep(max(0.0, t_run + spec.arrival_s - time.perf_counter()))
                 body = {"prompt": prompt, "max_tokens": spec.max_tokens, "temperature": 0, "stream": True,
-                        "ignore_eos": True}
+                        "stream_options": {"include_usage": True}, "ignore_eos": True}
                 if spec.cache_salt:
                     body["cache_salt"] = spec.cache_salt
                 async with limit:

@@ -5,6 +5,10 @@ template and `generation_config.json`.
 (an int or a list: every one stops a request, on top of config.json's `eos_token_id`) and the
 default sampling values a request falls back to when it leaves a field out: `temperature`,
 `top_p`, `top_k`, `repetition_penalty`, and `max_new_tokens` (the default `max_tokens`).
+Where a field is in neither, the OpenAI/vLLM default applies (temperature 1.0: requests sample
+unless they send `temperature: 0`). `--generation-config` chooses the file as vLLM's flag does:
+`auto` the checkpoint's, `vllm` none of its sampling defaults (its EOS ids still stop requests),
+or a folder holding a generation_config.json.
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ class GenerationDefaults:
     eos_token_ids: tuple[int, ...] = ()
     sampling: dict[str, float | int] = field(default_factory=dict)  # SamplingParams field -> default
     max_new_tokens: int | None = None
+
+    @classmethod
+    def for_flag(cls, model_dir: str | Path, generation_config: str = "auto") -> GenerationDefaults:
+        """vLLM's `--generation-config`: `auto`, `vllm` or a folder (a missing one is an error)."""
+        if generation_config == "auto":
+            return cls.load(model_dir)
+        if generation_config == "vllm":
+            return cls(eos_token_ids=cls.load(model_dir).eos_token_ids)
+        folder = Path(generation_config)
+        if not (folder / "generation_config.json").is_file():
+            what = "does not exist" if not folder.exists() else "has no generation_config.json"
+            raise TokenizerError(f"--generation-config {generation_config!r} {what} (expected auto, vllm or a "
+                                 "folder with a generation_config.json)")
+        return cls.load(folder)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> GenerationDefaults:
@@ -66,9 +84,10 @@ class TextModel:
         return tuple(ids)
 
 
-def load_text_model(model_dir: str | Path, chat_template: str | None = None) -> TextModel:
+def load_text_model(model_dir: str | Path, chat_template: str | None = None,
+                    generation_config: str = "auto") -> TextModel:
     """Raises `TokenizerError` / `ChatTemplateError` (ValueErrors) with the file that is wrong."""
     tokenizer = load_tokenizer(model_dir)
     default = DEFAULT_TEMPLATE if isinstance(tokenizer, ByteTokenizer) else None
     template = load_chat_template(model_dir, chat_template, getattr(tokenizer, "special_tokens", {}), default)
-    return TextModel(tokenizer, template, GenerationDefaults.load(model_dir))
+    return TextModel(tokenizer, template, GenerationDefaults.for_flag(model_dir, generation_config))

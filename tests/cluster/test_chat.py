@@ -42,7 +42,7 @@ def server():
 
 
 def _chat(messages, **kw) -> dict:
-    return {"model": "tiny-trained", "messages": messages, "max_tokens": 16, "ignore_eos": True, **kw}
+    return {"model": "tiny-trained", "messages": messages, "max_tokens": 16, "ignore_eos": True, "temperature": 0, **kw}
 
 
 @pytest.mark.timeout(120)

@@ -32,7 +32,7 @@ AUTH = {"Authorization": "Bearer sekret"}
 @pytest.mark.timeout(120)
 def test_resend_hits_and_equals_cold_over_http(server, tiny_model):
     prompt = make_prompt(600, 77)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
         before = tiny_model.forward_counts.num_prompt_tokens
         cold = c.post("/v1/completions", json=body).json()
@@ -45,13 +45,14 @@ def test_resend_hits_and_equals_cold_over_http(server, tiny_model):
         assert warm["usage"]["completion_tokens"] == 8
         # streaming: SSE chunks whose tokens concatenate to the same output
         tokens, usage = [], None
-        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        with c.stream("POST", "/v1/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         for line in lines[:-1]:
             chunk = json.loads(line[6:])
-            tokens += chunk["choices"][0]["token_ids"]
+            tokens += chunk["choices"][0]["token_ids"] if chunk["choices"] else []
             usage = chunk.get("usage", usage)
         assert tokens == cold["choices"][0]["token_ids"]
         assert usage["prompt_tokens_details"] == {"cached_tokens": 576, "computed_tokens": 24}

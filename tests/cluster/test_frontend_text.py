@@ -90,8 +90,8 @@ class ByteStreamBackend:
 def test_streamed_text_is_correct_across_chunk_boundaries():
     with serve_app(create_app(ByteStreamBackend(), "bytes", tokenizer=ByteTokenizer())) as url, \
             httpx.Client(base_url=url, timeout=30) as c:
-        full = c.post("/v1/completions", json={"prompt": "x"}).json()["choices"][0]["text"]
-        with c.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        full = c.post("/v1/completions", json={"prompt": "x", "temperature": 0}).json()["choices"][0]["text"]
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True, "temperature": 0}) as r:
             texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                      if line.startswith("data: {")]
         with c.stream("POST", "/v1/chat/completions",
@@ -120,7 +120,7 @@ def trained_server():
 
 @pytest.mark.timeout(120)
 def test_text_completion_on_the_trained_checkpoint(trained_server):
-    body = {"prompt": "def __init__(self, ", "max_tokens": 24, "ignore_eos": True}
+    body = {"prompt": "def __init__(self, ", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=trained_server, timeout=60) as c:
         out = c.post("/v1/completions", json=body).json()
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:

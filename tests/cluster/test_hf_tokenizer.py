@@ -65,6 +65,32 @@ def test_generation_config_and_specials(hf_dir):
     assert text.tokenizer.decode([1], skip_special_tokens=False) == "<|im_start|>"
 
 
+def test_generation_config_flag_auto_vllm_or_folder(tmp_path, hf_dir):
+    """vLLM's --generation-config: auto = the checkpoint's file (EOS ids and request defaults), vllm = its
+    EOS ids only (requests fall back to OpenAI's defaults), a folder = that folder's file; a folder
+    without one is an error naming it, never a silent fallback."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 0], "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 40}))
+    auto = load_text_model(model).generation
+    assert (auto.eos_token_ids, auto.sampling, auto.max_new_tokens) == ((2, 0), {"temperature": 0.6, "top_p": 0.95}, 40)
+    plain = load_text_model(model, generation_config="vllm").generation
+    assert (plain.eos_token_ids, plain.sampling, plain.max_new_tokens) == ((2, 0), {}, None)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, "top_k": 20}))
+    folder = load_text_model(model, generation_config=str(other)).generation
+    assert (folder.eos_token_ids, folder.sampling, folder.max_new_tokens) == ((5,), {"top_k": 20}, None)
+    with pytest.raises(TokenizerError, match=r"--generation-config .*nowhere.* does not exist"):
+        load_text_model(model, generation_config=str(tmp_path / "nowhere"))
+    with pytest.raises(TokenizerError, match="has no generation_config.json"):
+        load_text_model(model, generation_config=str(tmp_path))
+
+
 def test_bad_files_are_clear_errors(tmp_path, hf_dir):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="tokenizer.json"):

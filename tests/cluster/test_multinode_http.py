@@ -63,7 +63,8 @@ engine: {{kernels: torch, max_model_len: 2048, cache_memory_bytes: 67108864, num
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], dict, float]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
     ids, usage, t0, ttft = [], None, time.perf_counter(), None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()

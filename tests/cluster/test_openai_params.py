@@ -19,8 +19,8 @@ def test_generation_config_defaults_fill_omitted_fields():
     p = sampling_params(body, 16, 2, DEFAULTS, (2, 7))
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.logprobs) == (0.0, 1.0, 0, 1.0, 2)
     assert p.stop_token_ids == (9,) and p.ignore_eos
-    plain = sampling_params(CompletionRequest(prompt=[5]), 16, None, {}, ())
-    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (0.0, 1.0, 0, 1.0)
+    plain = sampling_params(CompletionRequest(prompt=[5]), 16, None, {}, ())  # OpenAI's and vLLM's defaults
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
 
 
 @pytest.mark.parametrize("fields, param", [

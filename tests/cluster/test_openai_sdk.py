@@ -48,11 +48,13 @@ def _chat(text: str) -> list[dict]:
 
 def test_completions_with_explicit_defaults_and_logprobs(client):
     base = dict(model="tiny-hf", prompt="def fibonacci(n):", max_tokens=12, extra_body={"ignore_eos": True})
-    plain = client.completions.create(**base)
+    sampled = client.completions.create(**base, seed=7)  # omitted temperature: OpenAI's 1.0
     explicit = client.completions.create(**base, n=1, best_of=1, echo=False, logprobs=None, presence_penalty=0,
                                          frequency_penalty=0, logit_bias={}, suffix=None, stop=None, user="u",
-                                         stream=False, temperature=0, top_p=1)
-    assert explicit.choices[0].text == plain.choices[0].text and plain.usage.completion_tokens == 12
+                                         stream=False, temperature=1, top_p=1, seed=7)
+    assert explicit.choices[0].text == sampled.choices[0].text and sampled.usage.completion_tokens == 12
+    base["temperature"] = 0
+    plain = client.completions.create(**base)
     assert plain.object == "text_completion" and plain.created > 0 and plain.choices[0].finish_reason == "length"
     scored = client.completions.create(**base, logprobs=3)
     lp = scored.choices[0].logprobs
@@ -66,21 +68,64 @@ def test_completions_with_explicit_defaults_and_logprobs(client):
 
 
 def test_chat_streaming_with_usage_matches_non_streaming(client):
-    kw = dict(model="tiny-hf", messages=_chat("def main():"), max_tokens=16, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny-hf", messages=_chat("def main():"), max_tokens=16, temperature=0,
+              extra_body={"ignore_eos": True})
     full = client.chat.completions.create(**kw, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0,
                                           response_format={"type": "text"}, tool_choice="none", store=False,
-                                          temperature=0, top_p=1, seed=7)
+                                          top_p=1, seed=7)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None and c.choices for c in chunks[:-1])
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streaming_usage_only_on_a_final_chunk_without_choices(client, endpoint):
+    """OpenAI and vLLM: `include_usage` adds one last chunk with `choices: []` and the usage; no other
+    chunk carries usage (unless vLLM's `continuous_usage_stats`, then each does); without it, none."""
+    if endpoint == "completions":
+        create, kw = client.completions.create, dict(prompt="def fibonacci(n):")
+    else:
+        create, kw = client.chat.completions.create, dict(messages=_chat("def fibonacci(n):"))
+    kw = dict(model="tiny-hf", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}, **kw)
+    full = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None and c.choices for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    plain = list(create(**kw, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
+    continuous = list(create(**kw, stream=True, stream_options={"include_usage": True,
+                                                                "continuous_usage_stats": True}))
+    assert continuous[-1].choices == [] and all(c.usage is not None for c in continuous)
+    counts = [c.usage.completion_tokens for c in continuous]
+    assert counts == sorted(counts) and counts[-1] == 12
+
+
+def test_omitted_temperature_samples_as_openai_and_vllm_do(client):
+    """No `temperature` and no generation_config value: OpenAI's default 1.0 samples (a seed makes it
+    reproducible); `temperature: 0` is greedy."""
+    kw = dict(model="tiny-hf", prompt="def fibonacci(n):", max_tokens=16, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**kw, temperature=0).choices[0].model_extra["token_ids"]
+    assert client.completions.create(**kw, temperature=0).choices[0].model_extra["token_ids"] == greedy
+    sampled = {seed: client.completions.create(**kw, seed=seed).choices[0].model_extra["token_ids"]
+               for seed in (1, 2, 3)}
+    assert all(client.completions.create(**kw, seed=s).choices[0].model_extra["token_ids"] == ids
+               for s, ids in sampled.items())
+    assert len({tuple(ids) for ids in sampled.values()}) > 1 and any(ids != greedy for ids in sampled.values())
+    chat = dict(model="tiny-hf", messages=_chat("def main():"), max_tokens=16, extra_body={"ignore_eos": True})
+    replies = {client.chat.completions.create(**chat, seed=s).choices[0].message.content for s in (1, 2, 3)}
+    assert len(replies) > 1
+
+
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model="tiny-hf", messages=_chat("import os"), max_tokens=8, logprobs=True,
+    out = client.chat.completions.create(model="tiny-hf", messages=_chat("import os"), max_tokens=8, temperature=0,
+                                         logprobs=True,
                                          top_logprobs=2, extra_body={"ignore_eos": True})
     content = out.choices[0].logprobs.content
     assert len(content) == 8 and "".join(c.token for c in content) == out.choices[0].message.content
@@ -90,7 +135,7 @@ def test_chat_logprobs(client):
 
 
 def test_multi_character_stop_string(client):
-    kw = dict(model="tiny-hf", prompt="class Reader:\n    def read(self, path):\n", max_tokens=24,
+    kw = dict(model="tiny-hf", prompt="class Reader:\n    def read(self, path):\n", max_tokens=24, temperature=0,
               extra_body={"ignore_eos": True})
     text = client.completions.create(**kw).choices[0].text
     stop = text[6:10]
@@ -105,9 +150,9 @@ def test_multi_character_stop_string(client):
 
 def test_resend_reports_cached_tokens_and_second_turn_hits(client):
     turn1 = _chat("def fibonacci(n):")
-    first = client.chat.completions.create(model="tiny-hf", messages=turn1, max_tokens=8,
+    first = client.chat.completions.create(model="tiny-hf", messages=turn1, max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
-    again = client.chat.completions.create(model="tiny-hf", messages=turn1, max_tokens=8,
+    again = client.chat.completions.create(model="tiny-hf", messages=turn1, max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
     assert again.usage.prompt_tokens_details.cached_tokens >= 64
     assert again.choices[0].message.content == first.choices[0].message.content
@@ -159,12 +204,12 @@ def test_llm_generate_gives_the_served_greedy_tokens(client, hf_dir):
 
     llm = LLM(str(hf_dir), kernels="torch", max_model_len=MAX_MODEL_LEN, cache_memory_bytes=64 * 2**20)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    served = client.completions.create(model="tiny-hf", prompt="def fibonacci(n):", max_tokens=12,
+    served = client.completions.create(model="tiny-hf", prompt="def fibonacci(n):", max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True}).choices[0]
     offline = llm.generate("def fibonacci(n):", params)[0]
     assert offline.outputs[0].token_ids == served.model_extra["token_ids"] and offline.outputs[0].text == served.text
     messages = _chat("def main():")
-    chat = client.chat.completions.create(model="tiny-hf", messages=messages, max_tokens=12,
+    chat = client.chat.completions.create(model="tiny-hf", messages=messages, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].message.content
     first, again = llm.chat(messages, params)[0], llm.chat(messages, params)[0]
     assert first.outputs[0].text == again.outputs[0].text == chat
@@ -174,7 +219,7 @@ def test_llm_generate_gives_the_served_greedy_tokens(client, hf_dir):
 
 
 def test_min_tokens_and_stop_token_ids(client):
-    kw = dict(model="tiny-hf", prompt="import os\n", max_tokens=8)
+    kw = dict(model="tiny-hf", prompt="import os\n", max_tokens=8, temperature=0)
     first = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"][0]
     stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [first]}).choices[0]
     assert stopped.model_extra["token_ids"] == [first] and stopped.finish_reason == "stop"

@@ -34,7 +34,7 @@ def client(tmp_path_factory):
 
 def test_sdk_through_the_ray_cluster(client):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def main():"}]
-    kw = dict(model="tiny-hf", messages=messages, max_tokens=12, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny-hf", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     first = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
     content = first.choices[0].logprobs.content
     assert len(content) == 12 and content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)

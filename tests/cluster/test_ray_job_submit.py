@@ -52,7 +52,7 @@ def test_ray_job_submit_serves_against_a_running_cluster(tmp_path, tiny_dir):
             logs = subprocess.run([ray, "job", "logs", "--address", api, job], env=env, capture_output=True,
                                   text=True).stdout
             pytest.fail(f"the job's server did not come up:\n{logs[-3000:]}")
-        body = {"prompt": list(range(100, 400)), "max_tokens": 4}
+        body = {"prompt": list(range(100, 400)), "max_tokens": 4, "temperature": 0}
         a = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         b = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

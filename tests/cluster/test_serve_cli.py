@@ -33,7 +33,7 @@ def test_serve_subprocess_answers_completions(tmp_path, tiny_dir):
                 time.sleep(0.3)
         else:
             pytest.fail("server did not come up")
-        body = {"prompt": list(range(100, 400)), "max_tokens": 4}
+        body = {"prompt": list(range(100, 400)), "max_tokens": 4, "temperature": 0}
         a = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         b = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 256

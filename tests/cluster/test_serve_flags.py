@@ -24,11 +24,12 @@ def test_flags_override_the_yaml(tmp_path):
         "my/model", "--config", str(config), "--host", "0.0.0.0", "--port", "8123", "--served-model-name", "123",
         "--tensor-parallel-size", "2", "--api-key", "true", "--dtype", "half", "--max-model-len", "2048",
         "--num-speculative-tokens", "0", "--no-enable-prefix-caching", "--chat-template", "t.jinja",
-        "--set", "router.policy=round_robin", "--set", "http.port=7000"])
+        "--generation-config", "vllm", "--set", "router.policy=round_robin", "--set", "http.port=7000"])
     c = load_config(args.config, args.overrides, settings)
     assert (c.http.host, c.http.port, c.http.api_key) == ("0.0.0.0", 8123, "true")  # flags beat --set and YAML
     assert (c.model.path, c.model.init_config, c.model.served_model_name) == ("my/model", None, "123")
     assert (c.model.dtype, c.model.chat_template, c.cluster.tp_size) == ("float16", "t.jinja", 2)
+    assert c.model.generation_config == "vllm"
     assert (c.engine.max_model_len, c.engine.num_spec_tokens, c.engine.enable_prefix_caching) == (2048, 0, False)
     assert c.router.policy == "round_robin"
     # flags left out keep the YAML's values
@@ -36,6 +37,7 @@ def test_flags_override_the_yaml(tmp_path):
     c = load_config(args.config, args.overrides, settings)
     assert (c.http.port, c.engine.max_model_len, c.model.path, c.engine.enable_prefix_caching) == (
         9000, 4096, "somewhere", True)
+    assert c.model.generation_config == "auto"
     with pytest.raises(SystemExit):
         parse_serve_args(["a", "--model", "b"])
 

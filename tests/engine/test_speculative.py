@@ -58,3 +58,31 @@ def test_forced_acceptance_of_0_to_k_tokens_with_mamba_rollback(tiny_model):
     assert final.token_ids == ref.token_ids
     assert set(accepted_per_step[1:]) >= set(range(k + 1))  # every acceptance count 0..k happened
     assert final.num_draft_accepted == sum(accepted_per_step)
+
+
+@pytest.mark.parametrize("eagle", ["drop", "lossless"])
+def test_sampled_requests_feed_the_draft_group_so_their_prefixes_hit(tiny_model, eagle):
+    """A sampled request decodes without drafts, but its draft-layer KV is still written and published:
+    before, the draft group held nothing for it, so every later lookup of its prefix (sampled or greedy,
+    resend or next turn) reconciled to 0. Seeded sampling stays byte-identical warm vs cold.
+    Alignment 64: a 185-token prompt replays from 128; with its 24 outputs the final boundary is 192."""
+    prompt = make_prompt(185, 11)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle)
+    assert engine.cache.alignment == 64
+    (cold,) = engine.generate([prompt], sampled)
+    before = engine.num_computed_prompt_tokens
+    (warm,) = engine.generate([prompt], sampled)
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 128
+    assert engine.num_computed_prompt_tokens - before == 185 - 128  # the hit was not recomputed
+    assert warm.token_ids == cold.token_ids and warm.num_draft_proposed == 0
+    (g_cold,) = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle).generate([prompt], greedy)
+    (g_warm,) = engine.generate([prompt], greedy)
+    assert g_warm.num_cached_tokens == 128 and g_warm.token_ids == g_cold.token_ids
+    assert g_warm.num_draft_proposed > 0
+    turn2 = prompt + list(cold.token_ids) + make_prompt(30, 12)
+    (t2_cold,) = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle).generate([turn2], sampled)
+    (t2,) = engine.generate([turn2], sampled)
+    # lossless: into the sampled output's blocks; drop: one unit below, as a greedy first turn gets too
+    assert t2.num_cached_tokens == {"lossless": 192, "drop": 128}[eagle] and t2.token_ids == t2_cold.token_ids

@@ -7,8 +7,12 @@ scaled down to tiny sizes (the layer-kind mix, routing, multipliers and format q
     nemotron_h_v2     nvidia/NVIDIA-Nemotron-Nano-9B-v2                  list eos_token_id, mamba_head_dim 80-like
     nemotron_h_t5     any NemotronH saved by transformers 5.24            layers_block_type, {"__float__": "Infinity"}
     nemotron3_nano    nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16          MoE 'E': sigmoid routing, n_group/topk_group,
-                                                                         routed_scaling_factor, shared expert
-    nemotron3_super   Nemotron 3 Super (latent MoE + MTP '*E')           moe_latent_size, mtp.* in vLLM's format
+                                                                         routed_scaling_factor, shared expert; the
+                                                                         published file's exact field set
+                                                                         (norm_eps, partial_rotary_factor, rope_theta,
+                                                                         hybrid_override_pattern, no time_step_limit)
+    nemotron3_super   Nemotron 3 Super (latent MoE + MTP '*E')           moe_latent_size, mtp.* in vLLM's format; the
+                                                                         Nano field set + mtp_hybrid_override_pattern
     granite_h_tiny    ibm-granite/granite-4.0-h-tiny                     MoE + shared expert, multipliers, no RoPE
     granite_h_micro   ibm-granite/granite-4.0-h-micro                    dense shared MLP only
     granite_h_rope    granite-4.0-h-micro with position_embedding_type   full RoPE (a config option no published
@@ -38,6 +42,29 @@ NEMOTRON3_MOE = dict(
     n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
 )
+# The field set of the published nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json, with its values.
+# A tiny checkpoint's file gets exactly these keys: the sizes transformers saved for the tiny model where
+# it saved the key, the published value otherwise (the fields transformers 5 does not write).
+NEMOTRON3_NANO_PUBLISHED = {
+    "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "chunk_size": 128, "conv_kernel": 4, "eos_token_id": 2, "expand": 2, "head_dim": 128,
+    "hidden_dropout": 0.0, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "initializer_range": 0.02, "intermediate_size": 1856, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu", "mamba_num_heads": 64, "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32",
+    "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2", "model_type": "nemotron_h",
+    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "n_groups": 8,
+    "n_routed_experts": 128, "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2,
+    "num_logits_to_keep": 1, "pad_token_id": 0, "partial_rotary_factor": 1.0, "rescale_prenorm_residual": True,
+    "residual_in_fp32": False, "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None,
+    "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_max": 0.1,
+    "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "bfloat16", "transformers_version": "4.55.4",
+    "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 131072,
+}
+# Nemotron 3 Super (120B-A12B) adds its latent MoE width and the MTP layer's pattern to the same fields.
+NEMOTRON3_SUPER_PUBLISHED = {**NEMOTRON3_NANO_PUBLISHED, "moe_latent_size": 1024, "num_nextn_predict_layers": 1,
+                             "mtp_hybrid_override_pattern": "*E", "eos_token_id": [2, 11]}
 GRANITE_COMMON = dict(
     vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
     rms_norm_eps=1e-5, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
@@ -164,6 +191,20 @@ def _rewrite_config(out: Path, model_id: str, spec: dict) -> None:
         for k in ("mtp_layers_block_type", "num_nextn_predict_layers"):
             cfg.pop(k, None)
         path.write_text(json.dumps(cfg, indent=2))
+    elif model_id in ("nemotron3_nano", "nemotron3_super"):  # the published file's exact field set
+        published = NEMOTRON3_NANO_PUBLISHED if model_id == "nemotron3_nano" else NEMOTRON3_SUPER_PUBLISHED
+        saved = json.loads(path.read_text())
+        cfg = {k: saved.get(k, v) for k, v in published.items()}
+        cfg["hybrid_override_pattern"] = spec["hybrid_override_pattern"]
+        cfg["num_hidden_layers"] = len(spec["hybrid_override_pattern"])
+        if "mtp_hybrid_override_pattern" in cfg:
+            cfg["mtp_hybrid_override_pattern"] = pattern_of(spec["mtp_layers_block_type"])
+        path.write_text(json.dumps(cfg, indent=2))
+
+
+def pattern_of(block_types: list[str]) -> str:
+    return "".join({"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+                    "moe": "E"}[t] for t in block_types)
 
 
 def hf_config(model_id: str):

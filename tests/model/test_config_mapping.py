@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model.helpers import make_tokens, run_chunks
-from tests.model.hf_models import SPECS, build, load_hf
+from tests.model.hf_models import NEMOTRON3_NANO_PUBLISHED, NEMOTRON3_SUPER_PUBLISHED, SPECS, build, load_hf
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling import SamplingParams
@@ -220,3 +220,20 @@ def test_older_granite_and_bamba_config_fields():
         HybridModelConfig.from_dict({**bamba, "attn_rotary_emb": 16})
     with pytest.raises(ConfigError, match="rope_scaling"):
         HybridModelConfig.from_dict({**bamba, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+@pytest.mark.parametrize("model_id", ["nemotron3_nano", "nemotron3_super"])
+def test_published_nemotron3_field_set_loads_and_unknown_fields_still_refused(tmp_path, model_id):
+    """The published Nemotron 3 files carry norm_eps and partial_rotary_factor (and rope_theta), which
+    neither transformers nor vLLM reads for NemotronH: they load (logits vs transformers in
+    test_hf_matrix), while a field nobody knows is still refused by name."""
+    path = build(model_id, tmp_path / model_id, seed=5)
+    raw = _raw(path)
+    published = NEMOTRON3_NANO_PUBLISHED if model_id == "nemotron3_nano" else NEMOTRON3_SUPER_PUBLISHED
+    assert set(raw) == set(published)
+    assert raw["norm_eps"] == 1e-05 and raw["partial_rotary_factor"] == 1.0 and raw["rope_theta"] == 10000
+    model = load_model(path, kernels="torch")
+    assert model.config.layer_norm_epsilon == raw["layer_norm_epsilon"] and model.config.rope_theta is None
+    _write(path, {**raw, "norm_epsilon": 1e-6})
+    with pytest.raises(ConfigError, match=r"unknown nemotron_h config field\(s\) norm_epsilon"):
+        load_model(path, kernels="torch")

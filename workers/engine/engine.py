@@ -178,6 +178,9 @@ class LLMEngine:
         return outputs
 
     def _wants_drafts(self, req: Request) -> bool:
+        """Whether `req` proposes drafts. Every request of a speculative engine still feeds the drafter
+        (propose=False), so the draft group's KV covers its tokens and its blocks are published: a
+        sampled request's prefix then serves later hits, a greedy resend's included."""
         return self.speculative and req.params.greedy and not req.params.shapes_logits
 
     def _after_prefill(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
@@ -197,7 +200,7 @@ class LLMEngine:
             if req.first_token_s is None:
                 req.first_token_s = time.perf_counter()
             tokens = self._emit(req, [token], logits, index)
-        if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
+        if not self.speculative or req.status is RequestStatus.FINISHED:
             return tokens, None
         # draft rows: positions [draft_start, end) whose next token is known now
         draft_start = req.num_draft_computed_tokens
@@ -210,7 +213,7 @@ class LLMEngine:
             hidden = hidden[: len(next_ids)]
         if not next_ids:
             return tokens, None
-        propose = end == req.num_prefill_tokens
+        propose = end == req.num_prefill_tokens and self._wants_drafts(req)
         return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
 
     def _after_decode(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
@@ -236,10 +239,10 @@ class LLMEngine:
         req.num_computed_tokens = n + accepted + 1
         self._track_boundaries(req, n, accepted + 1, bool(drafts))
         tokens = self._emit(req, proposal, logits, index)
-        if not self._wants_drafts(req) or req.status is RequestStatus.FINISHED:
+        if not self.speculative or req.status is RequestStatus.FINISHED:
             return tokens, None
         next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
-        return tokens, DraftInput(req, n, hidden[row : row + len(next_ids)], next_ids, True)
+        return tokens, DraftInput(req, n, hidden[row : row + len(next_ids)], next_ids, self._wants_drafts(req))
 
     @staticmethod
     def _sample(req: Request, logits: StepLogits, index: int) -> int:

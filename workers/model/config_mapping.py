@@ -56,7 +56,14 @@ _IGNORED = {
     "nemotron_h": _COMMON_IGNORED | {
         "attention_bias", "expand", "mamba_proj_bias", "residual_in_fp32", "rescale_prenorm_residual",
         "use_mamba_kernels", "moe_shared_expert_overlap", "time_step_rank", "rms_norm_eps", "num_hidden_layers",
-        "n_shared_experts", "time_step_limit", "rope_theta",  # NemotronH attention has no positional embedding
+        "n_shared_experts", "time_step_limit",
+        # NemotronH attention has no positional embedding: transformers' NemotronHAttention and vLLM's
+        # nemotron_h.py apply no rotary, so the RoPE fields of the published Nemotron 3 files (Nano 30B-A3B,
+        # Super 120B-A12B: rope_theta 10000, partial_rotary_factor 1.0) change nothing.
+        "rope_theta", "partial_rotary_factor",
+        # Nemotron 3's files carry norm_eps beside layer_norm_epsilon (both 1e-5); every norm in transformers
+        # and vLLM reads layer_norm_epsilon only, so we do too (norm_eps is never read by either).
+        "norm_eps",
     },
     # init_method (mup) and embedding_dropout only matter in training; RoPE fields unused without RoPE.
     "granitemoehybrid": _COMMON_IGNORED | {"num_hidden_layers", "position_embedding_type", "rope_parameters",

@@ -1,0 +1,43 @@
+"""Running a benchmark from the checkout's root leaves `git status` as it was: reports go under
+`out/` (git-ignored) or where `--out` says. Both report-writing benchmarks run for real, small."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.reports import default_report, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _status() -> str:
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored=no"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def test_default_reports_are_under_out_and_write_report_makes_the_folder(tmp_path):
+    assert default_report("faults") == "out/bench-faults.json"
+    path = write_report(tmp_path / "a" / "b.json", {"x": 1})
+    assert json.loads(path.read_text()) == {"x": 1}
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("module, args, report", [
+    ("bench.control_plane", ["--replicas", "4", "--decisions", "30", "--resync-entries", "200", "--no-tiny"],
+     "out/bench-control-plane.json"),
+    ("bench.faults", ["--scenarios", "drop_events", "--num-prompts", "1", "--prompt-len", "64"],
+     "out/bench-faults.json"),
+])
+def test_benchmark_run_from_the_root_leaves_git_status_clean(module, args, report):
+    before = _status()
+    (ROOT / report).unlink(missing_ok=True)
+    run = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=280)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"report: {report}" in run.stdout and json.loads((ROOT / report).read_text())
+    assert _status() == before
