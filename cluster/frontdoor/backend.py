@@ -34,7 +34,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import ray
 
@@ -47,7 +46,7 @@ from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
-from cluster.frontdoor.status import ClusterStatus
+from cluster.frontdoor.status import ClusterStatus, DoorMetrics
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
 from cluster.messages import TransferMsg
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
@@ -56,9 +55,6 @@ from workers.engine.sampling import SamplingParams
 from workers.engine_runner import RequestStream
 from workers.replica import TransferReplica
 from workers.replica_messages import GenerateMsg
-
-if TYPE_CHECKING:
-    from cluster.http.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +90,7 @@ class ClusterBackend:
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
-        self.metrics: Metrics | None = None
+        self.metrics: DoorMetrics | None = None
         self.num_retries = 0
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
@@ -156,7 +152,7 @@ class ClusterBackend:
     def max_model_len(self) -> int:
         return self.limits["max_model_len"]
 
-    def attach_metrics(self, metrics: Metrics) -> None:
+    def attach_metrics(self, metrics: DoorMetrics) -> None:
         self.metrics = metrics
         metrics.attach_cluster_counters(self.status.controller_counters)
 

@@ -5,8 +5,21 @@ retries. Reads are bounded: a busy or restarting actor gives the last known valu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+
+
+class DoorMetrics(Protocol):
+    """What a front door records in the HTTP front end's metrics (`cluster.http.metrics.Metrics`)."""
+
+    def record_route(self, policy: str, decision: str) -> None: ...
+
+    def record_transfer(self, ok: bool, seconds: float, num_bytes: int) -> None: ...
+
+    def attach_cluster_counters(self, read: Callable[[], dict]) -> None: ...
 
 
 class ClusterStatus:
