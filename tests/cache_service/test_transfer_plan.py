@@ -38,3 +38,9 @@ def test_the_best_holder_is_the_largest_hit_and_a_target_without_estimate_hits_z
     assert better_holder(make_decision({}), "a") is None
     assert plan_transfer(make_decision({"b": 1}), "a") == ("b", "a", 1)
 
+
+
+def test_a_holder_listed_before_an_equally_hitting_target_is_no_better():
+    decision = make_decision({"b": 256, "a": 256})  # max() finds b first: it must still beat a's own hit
+    assert better_holder(decision, "a") is None and plan_transfer(decision, "a") is None
+    assert better_holder(make_decision({"b": 256, "a": 128}), "a") == ReplicaEstimate("b", 256, 0.0, 256)
