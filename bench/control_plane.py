@@ -170,7 +170,7 @@ async def _route_paced(decide, prompts, rate: float) -> tuple[list[float], float
 def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
     import ray
 
-    from cluster.routing_client import RouteBatcher
+    from cluster.frontdoor.routing_client import RouteBatcher
 
     service, hosts = _start(config, num_replicas, docs, f"plane-{num_replicas}-{os.getpid()}")
     batcher = RouteBatcher(lambda: service)
@@ -236,7 +236,9 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
     the service is killed during it while a front door keeps routing (by load when it must)."""
     import ray
 
-    from cluster.routing_client import RoutingClient
+    from cache_service.ids import new_request_id
+    from cluster.frontdoor.routing_client import RoutingClient
+    from workers.engine.sampling import SamplingParams
     from workers.replica_messages import GenerateMsg
 
     name = f"plane-resync-{kill_midway}-{os.getpid()}"
@@ -259,7 +261,8 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
             out["first_resync"] = f"failed as expected ({type(exc).__name__})"
         decided = 0
         for tokens, salt in prompts[:50]:
-            target, _ = client.route(GenerateMsg(tokens, cache_salt=salt), {"sim-0": 0})
+            msg = GenerateMsg(new_request_id(), tuple(tokens), SamplingParams(), salt, client.hashes(tokens, salt))
+            target, _ = client.route(msg, {"sim-0": 0})
             decided += target == "sim-0"
         out["decisions_while_down"] = decided
         out["recovered_resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)  # the replica retries
@@ -277,7 +280,7 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
 # ---- all of it ----------------------------------------------------------------------------------------------
 def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
     from cache_service.simulate import make_tokens
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
 
     rng = random.Random(config.seed)
     docs_tokens = [make_tokens(config.prompt_len, config.seed * 100_003 + d, 128_000)

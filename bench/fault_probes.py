@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.faults import Env, ScenarioResult
+    from bench.fault_env import Env, ScenarioResult
 
 PROBE_TOKENS = 160  # long enough that a probe is still streaming when its replica is killed
 

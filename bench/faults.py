@@ -39,45 +39,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
+from bench.fault_env import Env, FaultConfig, ScenarioResult
 from bench.fault_probes import Probe, finish_probes, probe_reference, start_probes
 from bench.reports import default_report, write_report
 
 TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
 SCENARIOS = ("drop_events", "reorder_events", "corrupt_transfer", "evict_while_routed", "kill_cache_service",
              "kill_replica", "kill_tp_rank")
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    num_prompts: int = 4  # resend: each sent twice per scenario
-    prompt_len: int = 320
-    max_tokens: int = 24
-    concurrency: int = 4
-    fault_after_s: float = 0.2  # after the first request is in flight
-    recovery_timeout_s: float = 30.0
-    seed: int = 0
-    cache_memory_bytes: int = 64 * 2**20
-
-
-@dataclass
-class ScenarioResult:
-    name: str
-    sent: int = 0
-    completed: int = 0
-    retryable_errors: int = 0
-    documented_retryable: int = 0  # unseeded sampled requests that had streamed when their replica died
-    lost: int = 0
-    differing: int = 0
-    recovery_s: float | None = None
-    details: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return (self.lost == 0 and self.differing == 0 and self.recovery_s is not None
-                and self.completed + self.documented_retryable == self.sent)
 
 
 # ---- the cluster ---------------------------------------------------------------------------------
@@ -103,37 +74,22 @@ def two_node_cluster(num_cpus_per_node: int = 1):
 
 def serving(backend, model_dir: str):
     """The OpenAI front end over `backend` under uvicorn on 127.0.0.1 (a context manager; yields its URL)."""
-    from cluster.frontend import create_app
-    from cluster.local_http import serve_app
-    from cluster.tokenizer import load_tokenizer
+    from cluster.http.app import create_app
+    from cluster.http.local_server import serve_app
+    from cluster.text.tokenizer import load_tokenizer
 
     return serve_app(create_app(backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir)))
 
 
-@dataclass
-class Env:
-    """One backend behind HTTP, with the workload's prompts and their cold outputs."""
-
-    backend: object
-    url: str
-    config: FaultConfig
-    prompts: list[list[int]]
-    cold: list[list[int]]
-
-    def params(self):
-        from workers.engine.sampling import SamplingParams
-
-        return SamplingParams(max_tokens=self.config.max_tokens, ignore_eos=True)
-
-
 def make_backend(model_dir: str, config: FaultConfig, tp_size: int = 1, num_replicas: int = 2):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
     from workers.engine.config import EngineConfig
 
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=config.cache_memory_bytes)
     from bench.fault_doubles import FaultyReplica
 
-    return ClusterBackend(model_dir, engine, BackendConfig(num_replicas=num_replicas, tp_size=tp_size,
+    return ClusterBackend(model_dir, engine, ClusterConfig(name=None, num_replicas=num_replicas, tp_size=tp_size,
                                                            transfer_timeout_s=30.0), replica_cls=FaultyReplica)
 
 

@@ -11,7 +11,8 @@ import time
 def tiny_requests(model_dir: str, num_requests: int, concurrency: int, rounds: int = 3) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling import SamplingParams
@@ -34,7 +35,7 @@ def tiny_requests(model_dir: str, num_requests: int, concurrency: int, rounds: i
             return num_requests / (time.perf_counter() - t0)
 
     runner = EngineRunner(LLMEngine.from_checkpoint(model_dir, engine))
-    backend = ClusterBackend(model_dir, engine, BackendConfig(num_replicas=1))
+    backend = ClusterBackend(model_dir, engine, ClusterConfig(name=None, num_replicas=1))
     try:  # alternate, best of `rounds` each: these cores are shared, so a slow round is noise
         local, remote = [], []
         for _ in range(rounds):

@@ -46,6 +46,8 @@ class RequestBlockHashes:
 
     `extra_keys` (e.g. a LoRA adapter name) are mixed into every block, so the same tokens under
     another adapter never collide. Partial trailing blocks are kept as pending tokens until full.
+    `known`: the full blocks' hashes of `tokens`, computed elsewhere with the same root (the front
+    door hashed the prompt to route it): adopted instead of hashed again.
     """
 
     __slots__ = ("hash_block_size", "root", "hashes", "_extra", "_pending", "num_tokens")
@@ -58,6 +60,7 @@ class RequestBlockHashes:
         model_fingerprint: str = "",
         cache_salt: str | None = None,
         extra_keys: Sequence[str] = (),
+        known: Sequence[BlockHash] | None = None,
     ) -> None:
         if hash_block_size <= 0:
             raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
@@ -67,7 +70,15 @@ class RequestBlockHashes:
         self._extra = b"".join(_field(k) for k in extra_keys)
         self._pending: list[int] = []
         self.num_tokens = 0
-        self.append(tokens)
+        if known is None:
+            self.append(tokens)
+            return
+        num_full = len(tokens) // hash_block_size
+        if len(known) != num_full:
+            raise ValueError(f"{len(known)} known hashes for {len(tokens)} tokens (h={hash_block_size}: {num_full})")
+        self.hashes.extend(known)
+        self._pending.extend(tokens[num_full * hash_block_size :])
+        self.num_tokens = len(tokens)
 
     def append(self, tokens: Sequence[int]) -> int:
         """Append tokens; hash every block they complete. Returns the number of new hashes."""

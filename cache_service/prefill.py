@@ -7,9 +7,9 @@ calls on the same managers in one go, with a null page backend:
     admit     restore the hit (share its blocks, copy its Mamba state)
     per chunk (ending at each checkpoint past the hit, then at N):
       grow      take the chunk's pages (evicting LRU blocks; Mamba: by expected value)
-      publish   each attention group: its complete blocks (sliding window: the window tails
-                retention keeps); the Mamba group: a snapshot when the chunk ends at a checkpoint
-    free      every page back, tail first (cached ones stay cached)
+      settle    `lifecycle.settle`, as the engine's cache manager calls it: publish each
+                attention group's complete blocks, snapshot the Mamba state when the chunk ends
+                at a checkpoint; after the last chunk, free every page (tail first)
 
 Callers: `simulate.py` (and so `hybridserve explain`), `LocalPrefixCache.store_prefix` (property
 tests, benchmarks) and the trace simulator's replicas (`trace_sim/replica.py`). None of them
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.group_managers import GroupManagers
-from cache_service.mamba_manager import MambaManager
+from cache_service.lifecycle import settle
 
 
 class StoreResult(NamedTuple):
@@ -48,10 +48,7 @@ def run_prefill(groups: GroupManagers, request_id: str, hashes: RequestBlockHash
     stored = [0] * len(groups.managers)
     for end in stops:
         groups.grow(request_id, end)
-        for g, manager in enumerate(groups.managers):  # group by group, as a replica's events arrive
-            if not isinstance(manager, MambaManager):
-                stored[g] += manager.publish(request_id, hashes, end, checkpoints)
-            elif end in marks:
-                stored[g] += manager.snapshot(hashes, manager.working_page(request_id), end)
-    groups.free(request_id)
+        now = settle(groups, request_id, hashes, [end] * len(groups.managers), checkpoints,
+                     working_state_at=end if end in marks else None, free=end == num_tokens)
+        stored = [a + b for a, b in zip(stored, now)]
     return StoreResult(True, tuple(stored))

@@ -47,6 +47,9 @@ class RoutingPolicy(str, Enum):
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """The `router` section of the serving config (`cluster.config.ServeConfig`)."""
+
+    policy: str = "hybrid"  # a RoutingPolicy value
     prefill_cost_per_token: float = 1.0  # relative units; only ratios matter
     load_cost_per_queued_token: float = 1.0
     transfer_cost_per_token: float = 0.05  # moving a token's pages vs recomputing it
@@ -57,7 +60,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.junction_credit < 1.0:
-            raise ValueError(f"junction_credit must be in [0, 1), got {self.junction_credit}")
+            raise ValueError(f"router.junction_credit must be in [0, 1), got {self.junction_credit}")
+        if self.policy not in {p.value for p in RoutingPolicy}:
+            choices = ", ".join(p.value for p in RoutingPolicy)
+            raise ValueError(f"router.policy must be one of {choices}, got {self.policy!r}")
 
 
 MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages from the best one)

@@ -2,11 +2,12 @@
 
     ServeConfig
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
-        restart  ReplicaRestartConfig (cluster.replica_restarts) a fixed count's crash-loop backoff
+        restart  ReplicaRestartConfig  a fixed count's crash-loop backoff (`control.replica_restarts`)
+        (autoscaler: an AutoscalerConfig derived from min/max_replicas and the scale_* keys)
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
       engine   EngineConfig    (workers.engine.config) scheduler, pools, speculation, retention
-      router   RouterSection   routing policy and cost weights
+      router   RouterConfig    (cache_service.router) routing policy and cost weights
 
 Unknown keys, wrong types and bad values are one clear `ConfigError` naming the key path.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.replica_restarts import ReplicaRestartConfig
+from cache_service.router import RouterConfig
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
 
@@ -31,29 +32,92 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class ReplicaRestartConfig:
+    """The crash-loop backoff of a fixed-size cluster's replacements (YAML: `cluster.restart`)."""
+
+    backoff_initial_s: float = 1.0  # wait before a slot's second replacement in a row (the first: at once)
+    backoff_multiplier: float = 2.0  # each further one in a row waits this many times longer...
+    backoff_max_s: float = 60.0  # ...but never longer than this
+    backoff_reset_s: float = 300.0  # a replacement that ran this long without dying: the slot's count restarts
+
+    def __post_init__(self) -> None:
+        if not self.backoff_initial_s > 0:
+            raise ValueError(f"backoff_initial_s must be > 0, got {self.backoff_initial_s}")
+        if not self.backoff_multiplier >= 1:
+            raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
+        if not self.backoff_max_s >= self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s must be >= backoff_initial_s, got backoff_max_s="
+                             f"{self.backoff_max_s} < backoff_initial_s={self.backoff_initial_s}")
+        if not self.backoff_reset_s > 0:
+            raise ValueError(f"backoff_reset_s must be > 0, got {self.backoff_reset_s}")
+
+    def delay_s(self, num_failures: int) -> float:
+        """Wait before the replacement after `num_failures` (>= 1) deaths or failed starts in a row."""
+        if num_failures <= 1:
+            return 0.0
+        delay = self.backoff_initial_s
+        for _ in range(num_failures - 2):
+            if delay >= self.backoff_max_s or self.backoff_multiplier == 1:
+                break
+            delay *= self.backoff_multiplier
+        return min(delay, self.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    min_replicas: int = 1
+    max_replicas: int = 1
+    scale_up_queue_depth: float = 4.0  # requests in flight per replica above which one is added
+    scale_down_idle_s: float = 60.0  # nothing in flight this long: one is removed
+    interval_s: float = 1.0  # between steps of `start()`'s loop
+    warm_prefixes: int = 8  # hot prefixes copied onto a new replica
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"autoscaler: need 1 <= min_replicas <= max_replicas, got min_replicas="
+                             f"{self.min_replicas}, max_replicas={self.max_replicas}")
+        if self.scale_up_queue_depth <= 0 or self.interval_s <= 0:
+            raise ValueError("autoscaler: scale_up_queue_depth and interval_s must be positive")
+        if self.scale_down_idle_s < 0 or self.warm_prefixes < 0:
+            raise ValueError("autoscaler: scale_down_idle_s and warm_prefixes must be >= 0")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     backend: str = "ray"  # ray: replicas as Ray actors + cache service; inprocess: one engine, no Ray
-    name: str = "hybridserve"  # the cluster's controller is "<name>-controller": a restarted server reattaches
+    name: str | None = "hybridserve"  # its controller is "<name>-controller": a restarted server reattaches
+    # (None: a fresh name, a cluster of its own: tests, benchmarks)
     num_frontends: int = 1  # HTTP front doors (each routes; ports http.port .. http.port + n - 1)
     ray_address: str | None = None  # None: $RAY_ADDRESS if set (ray job submit), else an embedded local cluster
     num_cpus: int | None = None  # embedded cluster only (None: detect)
     node_ip_address: str = "127.0.0.1"
     dashboard_host: str = "127.0.0.1"
     num_replicas: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 1
+    min_replicas: int | None = None  # None: num_replicas (min == max: a fixed count, no autoscaler)
+    max_replicas: int | None = None  # None: num_replicas
     tp_size: int = 1
     distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
     num_gpus_per_rank: float = 0.0
+    num_cpus_per_rank: float = 0.0
+    max_streams_per_replica: int = 512  # streams in flight per replica (its own concurrency group)
     max_inflight: int = 4096  # accepted unfinished requests (queued, not refused); beyond this, HTTP 429
+    max_attempts: int = 3  # replicas tried per request (a replica that dies mid-request: the next one)
+    health_interval_s: float = 2.0  # replicas pinged this often (0: only when a call fails)
+    health_timeout_s: float = 10.0  # a ping unanswered this long is missed...
+    health_max_missed: int = 3  # ...and this many missed in a row purge (and stop) the replica
+    transfer_timeout_s: float = 120.0
+    hot_prefixes: int = 32  # the most served prompts each front door remembers (what warming draws on)
     scale_up_queue_depth: float = 4.0  # autoscaler: add a replica above this many requests per replica
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0
-    warm_prefixes: int = 8  # hot prefixes copied onto a new replica
+    warm_prefixes: int = 8  # hot prefixes copied onto a replica the autoscaler adds
     # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
     restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
 
     def __post_init__(self) -> None:
+        for bound in ("min_replicas", "max_replicas"):
+            if getattr(self, bound) is None:
+                object.__setattr__(self, bound, self.num_replicas)
         if self.backend not in ("ray", "inprocess"):
             raise ConfigError(f"cluster.backend must be ray or inprocess, got {self.backend!r}")
         if self.backend == "inprocess" and (self.num_replicas != 1 or self.tp_size != 1):
@@ -68,6 +132,23 @@ class ClusterConfig:
             raise ConfigError("cluster.num_frontends must be >= 1")
         if self.distributed_backend not in ("gloo", "nccl"):
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
+        if self.max_attempts < 1 or self.max_streams_per_replica < 1:
+            raise ConfigError("cluster.max_attempts and cluster.max_streams_per_replica must be >= 1")
+        try:
+            self.autoscaler  # noqa: B018 - its own checks, at load time
+        except ValueError as exc:
+            raise ConfigError(f"cluster: {exc}") from None
+
+    @property
+    def autoscaler(self) -> AutoscalerConfig | None:
+        """The autoscaler's parameters; None when min_replicas == max_replicas (a fixed count, kept
+        by the controller's restarter: dead replicas replaced with `restart`'s backoff)."""
+        if self.min_replicas == self.max_replicas:
+            return None
+        return AutoscalerConfig(min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                                scale_up_queue_depth=self.scale_up_queue_depth,
+                                scale_down_idle_s=self.scale_down_idle_s, interval_s=self.autoscale_interval_s,
+                                warm_prefixes=self.warm_prefixes)
 
 
 @dataclass(frozen=True)
@@ -107,37 +188,12 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
-class RouterSection:
-    policy: str = "hybrid"
-    prefill_cost_per_token: float = 1.0
-    load_cost_per_queued_token: float = 1.0
-    transfer_cost_per_token: float = 0.05
-    junction_credit: float = 0.5  # share of the attention match past the hit counted as saved (sticky sessions)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.junction_credit < 1.0:
-            raise ConfigError(f"router.junction_credit must be in [0, 1), got {self.junction_credit}")
-        if self.policy not in ("hybrid", "attention_overlap", "round_robin", "random"):
-            choices = "hybrid, attention_overlap, round_robin or random"
-            raise ConfigError(f"router.policy must be {choices}, got {self.policy!r}")
-
-    def router_config(self):
-        """The cache service's `RouterConfig` with this section's weights."""
-        from cache_service.router import RouterConfig
-
-        return RouterConfig(prefill_cost_per_token=self.prefill_cost_per_token,
-                            load_cost_per_queued_token=self.load_cost_per_queued_token,
-                            transfer_cost_per_token=self.transfer_cost_per_token,
-                            junction_credit=self.junction_credit)
-
-
-@dataclass(frozen=True)
 class ServeConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    router: RouterSection = field(default_factory=RouterSection)
+    router: RouterConfig = field(default_factory=RouterConfig)  # (cache_service.router) policy and cost weights
 
 
 def _check_type(path: str, value, annotation) -> None:
@@ -179,7 +235,8 @@ def _build(cls, data, path: str):
     except (EngineConfigError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"{path}: {exc}") from None
+        message = str(exc)
+        raise ConfigError(message if message.startswith(f"{path}.") else f"{path}: {message}") from None
 
 
 def _apply_override(data: dict, override: str) -> None:

@@ -15,18 +15,23 @@ from pathlib import Path
 
 import ray
 
+from cache_service.router import RouterConfig
+from cluster.config import ClusterConfig
+from cluster.ids import frontdoor_actor_name
+
 log = logging.getLogger(__name__)
 
 
 class FrontDoor:
     """The actor body: a front door attached to cluster `cluster_name`."""
 
-    def __init__(self, model_dir: str, engine_config, backend_config, host: str | None = None, port: int = 0,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, model_name: str | None = None,
-                 chat_template: str | None = None, generation_config: str = "auto") -> None:
-        from cluster.cluster_backend import ClusterBackend
+    def __init__(self, model_dir: str, engine_config, cluster_config: ClusterConfig, host: str | None = None,
+                 port: int = 0, api_key: str | None = None, max_body_bytes: int = 4 * 2**20,
+                 model_name: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
+                 router: RouterConfig | None = None) -> None:
+        from cluster.frontdoor.backend import ClusterBackend
 
-        self.backend = ClusterBackend(model_dir, engine_config, backend_config)
+        self.backend = ClusterBackend(model_dir, engine_config, cluster_config, router)
         self.url: str | None = None
         if host is not None:
             self._serve_http(model_dir, host, port, api_key, max_body_bytes, model_name, chat_template,
@@ -36,8 +41,8 @@ class FrontDoor:
                     chat_template, generation_config) -> None:
         import uvicorn
 
-        from cluster.frontend import create_app
-        from cluster.text_model import load_text_model
+        from cluster.http.app import create_app
+        from cluster.text.text_model import load_text_model
 
         text = load_text_model(model_dir, chat_template, generation_config)
         app = create_app(self.backend, model_name or Path(model_dir).name, api_key=api_key,
@@ -67,14 +72,15 @@ class FrontDoor:
         self.backend.shutdown(stop_cluster=False)
 
 
-def start_frontdoors(n: int, model_dir: str, engine_config, backend_config, host: str | None = None,
+def start_frontdoors(n: int, model_dir: str, engine_config, cluster_config: ClusterConfig, host: str | None = None,
                      first_port: int = 0, **http) -> list:
-    """Start `n` front-door actors attached to `backend_config.cluster_name` (which must be
-    running); with `host`, front door i serves HTTP on `first_port + i`."""
-    if backend_config.cluster_name is None:
-        raise ValueError("front doors attach by name: set cluster_name")
+    """Start `n` front-door actors attached to the cluster `cluster_config.name` (which must be
+    running); with `host`, front door i serves HTTP on `first_port + i`. `http`: FrontDoor's
+    keywords (api_key, max_body_bytes, model_name, chat_template, router)."""
+    if cluster_config.name is None:
+        raise ValueError("front doors attach by name: set the cluster's name")
     cls = ray.remote(num_cpus=0, max_concurrency=1024)(FrontDoor)
-    doors = [cls.options(name=f"{backend_config.cluster_name}-frontdoor-{first_port + i}").remote(
-        model_dir, engine_config, backend_config, host, first_port + i if host else 0, **http) for i in range(n)]
+    doors = [cls.options(name=frontdoor_actor_name(cluster_config.name, first_port + i)).remote(
+        model_dir, engine_config, cluster_config, host, first_port + i if host else 0, **http) for i in range(n)]
     ray.get([d.address.remote() for d in doors])
     return doors

@@ -87,7 +87,7 @@ def build_backend(config: ServeConfig, model_dir: str):
     c = config.cluster
     dtype = config.model.dtype
     if dtype == "auto":  # the checkpoint's own config.json dtype (float32 when it names none)
-        from hybridserve.llm import resolve_dtype
+        from workers.model.loader import resolve_dtype
 
         dtype = str(resolve_dtype(Path(model_dir), "auto")).removeprefix("torch.")
     engine_config = config.engine.replace(dtype=dtype)  # model.dtype: weights, activations, KV
@@ -101,28 +101,19 @@ def build_backend(config: ServeConfig, model_dir: str):
         # loopback only: Ray reads this when first imported (below); without it, workers report
         # and bind this machine's outward address (the transfer stores among them)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from cluster.autoscaler import AutoscalerConfig
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import connect_ray
+    from cluster.control.ray_cluster import connect_ray
+    from cluster.frontdoor.backend import ClusterBackend
 
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
-    r = config.router
-    backend = ClusterBackend(model_dir, engine_config, BackendConfig(
-        num_replicas=c.num_replicas, tp_size=c.tp_size, distributed_backend=c.distributed_backend, policy=r.policy,
-        router=r.router_config(),
-        max_inflight=c.max_inflight, replica_num_gpus=c.num_gpus_per_rank, cluster_name=c.name, restart=c.restart,
-        # min == max: a fixed count, kept by the controller's restarter (dead replicas replaced with a backoff)
-        autoscaler=None if c.min_replicas == c.max_replicas else AutoscalerConfig(
-            c.min_replicas, c.max_replicas, c.scale_up_queue_depth, c.scale_down_idle_s, c.autoscale_interval_s,
-            c.warm_prefixes)))
+    backend = ClusterBackend(model_dir, engine_config, c, config.router)
     return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 
 def build_app(config: ServeConfig) -> Server:
     """Raises `ConfigError` (a missing model, unreadable tokenizer files or chat template)
     before any backend is started."""
-    from cluster.frontend import create_app
-    from cluster.text_model import load_text_model
+    from cluster.http.app import create_app
+    from cluster.text.text_model import load_text_model
 
     model_dir = resolve_model_dir(config)
     try:
@@ -142,10 +133,10 @@ def build_app(config: ServeConfig) -> Server:
         from cluster.frontdoors import start_frontdoors
 
         server.frontdoors = start_frontdoors(
-            config.cluster.num_frontends - 1, model_dir, backend.engine_config, backend.config, config.http.host,
+            config.cluster.num_frontends - 1, model_dir, backend.engine_config, config.cluster, config.http.host,
             config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
             model_name=config.model.served_model_name, chat_template=config.model.chat_template,
-            generation_config=config.model.generation_config)
+            generation_config=config.model.generation_config, router=config.router)
     return server
 
 

@@ -11,32 +11,17 @@ and special-token skipping go through the same `CompletionState` as the server's
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from cluster.completion_state import CompletionState
-from cluster.text_model import TextModel, load_text_model
+from cluster.text.completion_state import CompletionState
+from cluster.text.text_model import TextModel, load_text_model
 from hybridserve.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from hybridserve.sampling_params import SamplingParams
 from workers.engine.config import EngineConfig
-
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "half": torch.float16}
-
-
-def resolve_dtype(model_dir: Path, dtype: str | torch.dtype | None) -> torch.dtype:
-    """`auto` / None: the checkpoint config.json's `dtype` (or `torch_dtype`), else float32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        config = json.loads((model_dir / "config.json").read_text())
-        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)} or a torch.dtype, got {dtype!r}")
-    return DTYPES[dtype]
+from workers.model.loader import resolve_dtype
 
 
 class LLM:
@@ -74,7 +59,7 @@ class LLM:
             config = config.replace(model_fingerprint=model_fingerprint(self.model_dir))
         if tp_size == 1:
             return LLMEngine(load_model(self.model_dir, dtype=dtype, kernels=config.kernels), config)
-        from cluster.ray_cluster import connect_ray
+        from cluster.control.ray_cluster import connect_ray
         from workers.tp_worker import create_tp_engine
 
         self._embedded_ray = connect_ray(None) == "embedded"

@@ -28,7 +28,7 @@ def ray_session(tmp_path_factory):
     import ray
 
     os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
 
     start_local_ray(num_cpus=2)
     yield ray

@@ -25,9 +25,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from cache_service.block_hash import BlockHash
+from cache_service.ids import new_request_id
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, EngineTimeoutError, ServerOverloadedError
 from workers.engine.request import RequestOutput
@@ -94,8 +96,6 @@ class EngineRunner:
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
-        self._ids = 0
-        self._lock = threading.Lock()
         self.on_step: Callable[[LLMEngine], None] | None = None  # on the loop after each step (events, load)
         self._thread = threading.Thread(target=self._supervised_loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -123,19 +123,23 @@ class EngineRunner:
         """The engine's counters and gauges (read without the loop: plain ints)."""
         return {**self.engine.stats(), "num_steps": self.num_steps}
 
+    def attach_metrics(self, metrics) -> None:
+        """The HTTP front end's `Metrics` (the `Backend` protocol): it reads the engine's counters."""
+        metrics.attach_engine_stats(self.engine_stats)
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, block_hashes: Sequence[BlockHash] | None = None) -> RequestStream:
         """Validate and enqueue; raises `InvalidRequestError` at once for bad input and
-        `ServerOverloadedError` when `max_queued` requests are already in flight."""
-        with self._lock:
-            self._ids += 1
-            rid = request_id or f"run-{self._ids}"
+        `ServerOverloadedError` when `max_queued` requests are already in flight. `block_hashes`:
+        the prompt's, when a front door already hashed it."""
+        rid = request_id or new_request_id()
         stream = RequestStream(rid)
 
         def add(engine: LLMEngine) -> None:
             if len(self._streams) >= self.max_queued:  # checked on the loop thread: no race
                 raise ServerOverloadedError(f"{len(self._streams)} requests in flight (max_queued)", 1.0)
-            engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt)
+            engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt,
+                               block_hashes=block_hashes)
             self._streams[rid] = stream
 
         self.call(add)

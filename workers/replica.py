@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import ray
 
 from cache_service.messages import LoadReportMsg
-from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, TokenDeltaMsg, WorkCountsMsg
+from workers.engine.request import RequestOutput
+from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, WorkCountsMsg, merge_outputs
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class ReplicaUnhealthyError(RuntimeError):
 
 
 class Replica:
-    """The actor body (wrapped with `ray.remote` by `cluster.replica_set`)."""
+    """The actor body (wrapped with `ray.remote` by `cluster.control.replica_set`)."""
 
     def __init__(self, replica_id: str, model_dir: str, engine_config, tp_size: int = 1,
                  backend: str = "gloo", service_name: str | None = None, namespace: str | None = None,
@@ -60,7 +61,7 @@ class Replica:
         self.tp_size = tp_size
         self.events = EventSink(replica_id)
         if tp_size > 1:
-            from workers.model.tensor_parallel import create_tp_engine
+            from workers.tp_worker import create_tp_engine
 
             engine = create_tp_engine(model_dir, engine_config, tp_size, backend=backend, events=self.events,
                                       ray_actor_options=tp_actor_options)
@@ -131,17 +132,17 @@ class Replica:
 
     # ---- requests ---------------------------------------------------------------------------
     @ray.method(concurrency_group="streams")
-    def generate_stream(self, msg: GenerateMsg) -> Iterator[TokenDeltaMsg]:
-        """A Ray streaming generator of token deltas: every output available when the caller's
+    def generate_stream(self, msg: GenerateMsg) -> Iterator[RequestOutput]:
+        """A Ray streaming generator of merged outputs (`merge_outputs`): every output available when the caller's
         previous item was produced is merged into one. Raises `ReplicaUnhealthyError` when this
         replica can no longer serve."""
         from workers.engine.errors import InvalidRequestError, ServerOverloadedError
         from workers.engine_runner import StreamEnd
 
         self._check_health()
-        sent = 0
         try:
-            stream = self.runner.submit(msg.prompt_token_ids, msg.sampling_params(), msg.cache_salt, msg.request_id)
+            stream = self.runner.submit(list(msg.prompt_token_ids), msg.params, msg.cache_salt, msg.request_id,
+                                        block_hashes=msg.block_hashes)
             self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
             while True:
                 item = self._next_output(stream)
@@ -152,8 +153,7 @@ class Replica:
                         break
                     item = stream.get_nowait()
                 if batch:
-                    delta = TokenDeltaMsg.merge(batch, sent)
-                    sent += len(delta.new_token_ids)
+                    delta = merge_outputs(batch)
                     yield delta
                     if delta.finished:
                         return

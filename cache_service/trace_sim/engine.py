@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
+from cache_service.ids import replica_id
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
@@ -78,7 +79,7 @@ class ClusterSim:
         retention = self.value_retention or make_retention(settings.retention, layout.alignment)
         self.planner = CheckpointPlanner(self.coordinator, retention)
         self.index = GlobalIndex(len(layout.groups))
-        ids = [f"r{i:03d}" for i in range(settings.num_replicas)]
+        ids = [replica_id(i) for i in range(settings.num_replicas)]
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
                                   settings.cost.prefill_tokens_per_s, settings.seed, settings.router)
         self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]

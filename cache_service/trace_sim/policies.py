@@ -66,7 +66,7 @@ class SimPolicy(ABC):
 
 class RouterPolicy(SimPolicy):
     """The cluster's own Router, and what the front door does with its decision
-    (`cluster.transfers.plan_transfer`): move the pages of the service's transfer plan, or else of
+    (`cluster.control.transfers.plan_transfer`): move the pages of the service's transfer plan, or else of
     the replica that hits more than the chosen one (the router may pick another replica for its
     load or for a junction), before serving there."""
 

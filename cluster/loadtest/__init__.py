@@ -10,8 +10,9 @@
     __main__.py   the CLI
 """
 
-from cluster.loadtest.client import LoadTestResult, RequestRecord, ServerUnreachableError, run_workload
+from cluster.loadtest.client import ServerUnreachableError, run_workload
 from cluster.loadtest.compare import Variant, make_variants, run_compare
+from cluster.loadtest.records import LoadTestResult, RequestRecord
 from cluster.loadtest.report import WorkloadSummary, summarize
 from cluster.loadtest.server import ServerStartError, spawn_server
 from cluster.loadtest.workloads import WorkloadConfig, build_workload

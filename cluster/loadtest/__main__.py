@@ -18,9 +18,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from cluster.loadtest.client import LoadTestResult, ServerUnreachableError, run_workload
+from cluster.loadtest.client import ServerUnreachableError, run_workload
 from cluster.loadtest.compare import AXES, format_ratios, make_variants, run_compare
 from cluster.loadtest.outputs import write_parquet, write_plot
+from cluster.loadtest.records import LoadTestResult
 from cluster.loadtest.report import format_summaries, summarize
 from cluster.loadtest.server import ServerStartError, spawn_server
 from cluster.loadtest.workloads import WORKLOADS, WorkloadConfig, build_workload

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.loadtest.client import LoadTestResult, run_workload
+from cluster.loadtest.client import run_workload
+from cluster.loadtest.records import LoadTestResult
 from cluster.loadtest.report import WorkloadSummary, format_table, ratio, summarize
 from cluster.loadtest.server import spawn_server
 from cluster.loadtest.workloads import WorkloadConfig

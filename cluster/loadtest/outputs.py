@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cluster.loadtest.client import LoadTestResult
+from cluster.loadtest.records import LoadTestResult
 from cluster.loadtest.report import WorkloadSummary
 
 SCHEMA = pa.schema([

@@ -11,7 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from cluster.loadtest.client import LoadTestResult, RequestRecord
+from cluster.loadtest.records import LoadTestResult, RequestRecord
 
 
 def percentile(values: list[float], q: float) -> float | None:

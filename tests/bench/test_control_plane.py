@@ -18,7 +18,7 @@ def setup():
     from bench.control_plane import PlaneConfig, _prompts
     from bench.sim_replicas import document_hashes
     from cache_service.simulate import make_tokens
-    from cluster.ray_cluster import start_local_ray
+    from cluster.control.ray_cluster import start_local_ray
 
     if ray.is_initialized():
         ray.shutdown()

@@ -44,3 +44,24 @@ def test_bad_tokens_are_rejected():
         RequestBlockHashes(4, [1, 2, -3, 4])
     with pytest.raises(ValueError):
         RequestBlockHashes(0)
+
+
+def test_known_hashes_are_adopted_and_extend_like_computed_ones():
+    tokens = list(range(50))
+    computed = RequestBlockHashes(16, tokens, cache_salt="s")
+    adopted = RequestBlockHashes(16, tokens, cache_salt="s", known=computed.hashes)
+    assert adopted.hashes == computed.hashes and adopted.hashes is not computed.hashes
+    assert adopted.num_tokens == computed.num_tokens == 50
+    for more in ([50, 51], list(range(52, 70))):  # the pending tail (48, 49) completes a block later
+        assert adopted.append(more) == computed.append(more)
+    assert adopted.hashes == computed.hashes and adopted.num_tokens == 70
+
+
+def test_known_hashes_must_cover_exactly_the_full_blocks():
+    tokens = list(range(48))
+    hashes = RequestBlockHashes(16, tokens).hashes
+    for bad in (hashes[:2], hashes + hashes[:1]):
+        with pytest.raises(ValueError, match="3 full|known hashes"):
+            RequestBlockHashes(16, tokens, known=bad)
+    exact = RequestBlockHashes(16, tokens + [1], known=hashes)
+    assert exact.num_tokens == 49 and exact.append(list(range(15))) == 1

@@ -244,3 +244,13 @@ def test_a_real_hit_keeps_its_full_saving_and_only_the_match_beyond_it_is_credit
     router.index.apply_batch("a", 0, len(records), records)
     decision = router.route(HASHES, N, {"a": 10, "b": 0})
     assert decision.estimates == (ReplicaEstimate("a", 256, 562, 640), est("b", 640, 360))
+
+
+def test_the_router_section_names_a_known_policy():
+    assert [RouterConfig(policy=p.value).policy for p in RoutingPolicy] == [
+        "hybrid", "attention_overlap", "round_robin", "random"]
+    with pytest.raises(ValueError, match=r"^router\.policy must be one of hybrid, attention_overlap, round_robin, "
+                                         r"random, got 'smart'$"):
+        RouterConfig(policy="smart")
+    with pytest.raises(ValueError, match=r"^router\.junction_credit must be in \[0, 1\), got 1\.0$"):
+        RouterConfig(junction_credit=1.0)

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.autoscaler import AutoscalerConfig, ReplicaAutoscaler, ScaleAction, ScaleReason
+from cluster.config import AutoscalerConfig
+from cluster.control.autoscaler import ReplicaAutoscaler, ScaleAction, ScaleReason
 from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # upper bound on waiting for another thread's event (never reached when it works)

@@ -7,10 +7,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.chat import render_chat
-from cluster.frontend import create_app
-from cluster.protocol import ChatMessage
-from cluster.tokenizer import load_tokenizer
+from cluster.http.app import create_app
+from cluster.http.protocol import ChatMessage
+from cluster.text.chat import render_chat
+from cluster.text.tokenizer import load_tokenizer
 from tests.cluster.test_frontend_http import serve_app
 
 TRAINED = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny-trained"
@@ -100,6 +100,13 @@ def test_chat_needs_a_tokenizer_and_the_key(server):
 
 class _NoBackend:
     num_unfinished = 0
+    max_model_len = None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def attach_metrics(self, metrics) -> None:
+        pass
 
     def submit(self, *args):
         raise AssertionError("never reached")

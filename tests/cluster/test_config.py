@@ -45,5 +45,5 @@ def test_router_section_reaches_the_cache_services_router_config(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("router:\n  prefill_cost_per_token: 2.0\n  load_cost_per_queued_token: 3.0\n"
                     "  transfer_cost_per_token: 0.25\n  junction_credit: 0.75\n")
-    assert load_config(path).router.router_config() == RouterConfig(
+    assert load_config(path).router == RouterConfig(
         prefill_cost_per_token=2.0, load_cost_per_queued_token=3.0, transfer_cost_per_token=0.25, junction_credit=0.75)

@@ -66,19 +66,18 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
     from ray.exceptions import RayActorError
 
     from bench.fault_doubles import FaultyReplica
-    from cluster.autoscaler import AutoscalerConfig
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
     from workers.engine.config import EngineConfig
 
     if not ray.is_initialized():
-        from cluster.ray_cluster import start_local_ray
+        from cluster.control.ray_cluster import start_local_ray
 
         start_local_ray(num_cpus=2)
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20)
-    scaling = AutoscalerConfig(1, 2, scale_up_queue_depth=0.5, interval_s=0.2)
-    backend = ClusterBackend(tiny_dir, engine, BackendConfig(num_replicas=2, health_interval_s=0.3,
-                                                             health_timeout_s=0.5, health_max_missed=2,
-                                                             autoscaler=scaling),
+    scaling = {"min_replicas": 1, "max_replicas": 2, "scale_up_queue_depth": 0.5, "autoscale_interval_s": 0.2}
+    backend = ClusterBackend(tiny_dir, engine, ClusterConfig(name=None, num_replicas=2, health_interval_s=0.3,
+                                                             health_timeout_s=0.5, health_max_missed=2, **scaling),
                              replica_cls=FaultyReplica)
     counts: list[int] = []
     stop = threading.Event()

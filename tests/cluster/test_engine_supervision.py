@@ -18,10 +18,11 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=1024, cache_memory_bytes=48
 
 def test_dead_engine_loop_makes_the_replica_unhealthy_and_requests_finish_elsewhere(ray_session, tiny_dir):
     from bench.fault_doubles import FaultyReplica
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
     ray = ray_session
-    backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2), replica_cls=FaultyReplica)
+    backend = ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=2), replica_cls=FaultyReplica)
     try:
         prompts = [make_prompt(60 + 20 * i, 70 + i) for i in range(4)]
         cold = [backend.generate(p, PARAMS, cache_salt=f"cold-{i}")[0].token_ids for i, p in enumerate(prompts)]

@@ -53,7 +53,7 @@ def test_each_fault_did_happen(results):
     assert d["evict_while_routed"]["pages_evicted"] > 0
     assert d["kill_cache_service"].get("service_resyncs", 0) >= 2  # both replicas rebuilt into it
     for name in ("kill_replica", "kill_tp_rank"):
-        # purged; its replacement (a fixed count: cluster.replica_restarts) may still be starting
+        # purged; its replacement (a fixed count: cluster.control.replica_restarts) may still be starting
         assert d[name]["replica_deaths"] == 1 and d[name].get("replica_restarts", 0) <= 1
         assert 1 <= len(d[name]["replicas_after"]) <= 2
         # the greedy and the seeded probe were mid-stream on the victim: both resumed elsewhere

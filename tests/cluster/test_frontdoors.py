@@ -21,14 +21,15 @@ ENGINE = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32
 def cluster(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.config import ClusterConfig
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rd", dir="/tmp")
     start_local_ray(num_cpus=2)
-    config = BackendConfig(num_replicas=2, cluster_name="doors-test")
+    config = ClusterConfig(num_replicas=2, name="doors-test")
     owner = ClusterBackend(tiny_dir, ENGINE, config)
     yield owner, config
     owner.shutdown()
@@ -36,7 +37,7 @@ def cluster(tiny_dir):
 
 
 def test_a_second_front_door_attaches_by_name_and_leaving_stops_nothing(cluster, tiny_dir):
-    from cluster.cluster_backend import ClusterBackend
+    from cluster.frontdoor.backend import ClusterBackend
 
     owner, config = cluster
     params = SamplingParams(max_tokens=6, ignore_eos=True)

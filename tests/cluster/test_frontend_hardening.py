@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster.frontend import create_app
-from cluster.tokenizer import ByteTokenizer
+from cluster.http.app import create_app
+from cluster.text.tokenizer import ByteTokenizer
 from tests.cluster.test_frontend_http import serve_app
 from tests.conftest import make_engine, make_prompt
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError
@@ -219,7 +219,7 @@ def test_backend_failures_are_json_errors_and_sse_error_events():
 
 def test_stream_errors_map_to_their_status():
     """A late refusal is a 400, a request no replica could finish a retryable 503, anything else a 500."""
-    from cluster.streaming import stream_error
+    from cluster.http.streaming import stream_error
     from workers.engine.errors import InvalidRequestError, ServerOverloadedError
     from workers.engine_runner import StreamEnd
 

@@ -6,8 +6,8 @@ import socket
 import httpx
 import pytest
 
-from cluster.frontend import create_app
-from cluster.local_http import serve_app  # noqa: F401 - re-exported for other tests
+from cluster.http.app import create_app
+from cluster.http.local_server import serve_app  # noqa: F401 - re-exported for other tests
 from tests.conftest import make_engine, make_prompt
 from workers.engine_runner import EngineRunner
 

@@ -7,8 +7,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from cluster.frontend import create_app
-from cluster.tokenizer import ByteTokenizer
+from cluster.http.app import create_app
+from cluster.text.tokenizer import ByteTokenizer
 from tests.conftest import make_engine
 from workers.engine_runner import EngineRunner
 
@@ -29,6 +29,9 @@ class LateRunner:
 
     def abort(self, request_id: str) -> None:
         self.runner.abort(request_id)
+
+    def attach_metrics(self, metrics) -> None:
+        pass
 
 
 BACKEND = LateRunner()

@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.detokenizer import IncrementalDecoder
-from cluster.frontend import create_app
-from cluster.tokenizer import ByteTokenizer, load_tokenizer
+from cluster.http.app import create_app
+from cluster.text.detokenizer import IncrementalDecoder
+from cluster.text.tokenizer import ByteTokenizer, load_tokenizer
 from tests.cluster.test_frontend_http import serve_app
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream
@@ -65,6 +65,13 @@ class ByteStreamBackend:
     """Streams the bytes of TEXT one token per output, like a model emitting a multi-byte char."""
 
     num_unfinished = 0
+    max_model_len = None
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def attach_metrics(self, metrics) -> None:
+        pass
 
     def submit(self, prompt, params, cache_salt=None) -> RequestStream:
         ids = ByteTokenizer().encode(TEXT)

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.chat import ChatTemplateError, load_chat_template
-from cluster.detokenizer import IncrementalDecoder, TextStream
-from cluster.text_model import load_text_model
-from cluster.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+from cluster.text.chat import ChatTemplateError, load_chat_template
+from cluster.text.detokenizer import IncrementalDecoder, TextStream
+from cluster.text.text_model import load_text_model
+from cluster.text.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 from tests.cluster.hf_checkpoint import CHATML, make_hf_checkpoint
 
 CONVERSATIONS = [

@@ -83,15 +83,16 @@ def wait_until_indexed(backend, timeout_s: float = 60.0) -> None:
 def backend(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.config import ClusterConfig
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ri", dir="/tmp")
     start_local_ray(num_cpus=2)
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-    b = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=2, health_interval_s=0))
+    b = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=2, health_interval_s=0))
     yield b
     b.shutdown()
     ray.shutdown()

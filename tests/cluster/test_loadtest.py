@@ -10,11 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.loadtest.__main__ import main
-from cluster.loadtest.client import LoadTestResult, RequestRecord, ServerUnreachableError, check_server, run_workload
+from cluster.loadtest.client import ServerUnreachableError, check_server, run_workload
 from cluster.loadtest.compare import make_variants, ratio_rows
 from cluster.loadtest.outputs import SCHEMA, write_parquet
 from cluster.loadtest.progress import Progress
 from cluster.loadtest.prometheus import parse_prometheus
+from cluster.loadtest.records import LoadTestResult, RequestRecord
 from cluster.loadtest.report import format_table, percentile, ratio, summarize
 from cluster.loadtest.server import ServerStartError, free_port, spawn_server
 from cluster.loadtest.workloads import RequestSpec, Workload, WorkloadConfig, build_workload

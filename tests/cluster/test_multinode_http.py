@@ -161,7 +161,7 @@ def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
     """min 2, max 3, idle 0.5 s: the count stays within [2, 3] at every sample while the autoscaler
     adds a warmed replica under load and removes one once idle. (The rules themselves, the idle
     period included, are unit-tested on an injected clock: tests/cluster/test_autoscaler_bounds.py.)"""
-    from cluster.autoscaler import ScaleAction, ScaleReason
+    from cluster.control.autoscaler import ScaleAction, ScaleReason
 
     url, server = served
     backend, scaler = server.backend, server.autoscaler

@@ -4,8 +4,8 @@ name their field."""
 
 import pytest
 
-from cluster.openai_format import sampling_params
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.openai_format import sampling_params
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
 

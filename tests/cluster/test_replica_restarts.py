@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.autoscaler import AutoscalerConfig
-from cluster.replica_count import REMOVED, ReplicaCountKeeper
-from cluster.replica_restarts import ReplicaRestartConfig
+from cluster.config import AutoscalerConfig, ReplicaRestartConfig
+from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
 from tests.fake_clock import FakeClock
 
 WAIT_S = 30.0  # upper bound on waiting for another thread (never reached when it works)

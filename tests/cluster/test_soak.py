@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.frontend import create_app
+from cluster.http.app import create_app
 from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import ServerOverloadedError
@@ -56,15 +56,16 @@ def test_soak_many_requests_keep_memory_flat(tiny_model):
 def test_full_cluster_backend_answers_429_with_retry_after(tiny_dir):
     import ray
 
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
-    from cluster.ray_cluster import start_local_ray
+    from cluster.config import ClusterConfig
+    from cluster.control.ray_cluster import start_local_ray
+    from cluster.frontdoor.backend import ClusterBackend
 
     if ray.is_initialized():
         ray.shutdown()
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     start_local_ray(num_cpus=1)
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * MB)
-    backend = ClusterBackend(tiny_dir, config, BackendConfig(num_replicas=1, max_inflight=2))
+    backend = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=1, max_inflight=2))
     try:
         long = SamplingParams(max_tokens=400, ignore_eos=True)
         streams = [backend.submit(make_prompt(64, s), long) for s in (1, 2)]

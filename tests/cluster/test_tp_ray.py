@@ -48,12 +48,13 @@ def test_tp2_ray_replica_greedy_equals_tp1_and_warm_hit_equals_cold(ray_session)
 
 def test_tp2_replicas_behind_the_cluster_backend_serve_and_hit(ray_session):
     """A replica actor = rank 0 + a TPWorker actor; routed, cached and streamed like TP=1."""
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
     prompts = code_prompts()
     ref = make_engine(load_model(TRAINED, kernels="torch"), num_spec_tokens=3).generate(prompts[:2], PARAMS)
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20, num_spec_tokens=3)
-    backend = ClusterBackend(str(TRAINED), config, BackendConfig(num_replicas=1, tp_size=2))
+    backend = ClusterBackend(str(TRAINED), config, ClusterConfig(name=None, num_replicas=1, tp_size=2))
     try:
         cold = [backend.generate(p, PARAMS)[0] for p in prompts[:2]]
         assert [o.token_ids for o in cold] == [o.token_ids for o in ref]

@@ -1,7 +1,7 @@
 """The engine keeps retained Mamba checkpoints within checkpoint_memory_fraction of the cache
 memory (evicting by expected value), stays exact on hits, and reports both on /metrics."""
 
-from cluster.metrics import Metrics
+from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling import SamplingParams
 

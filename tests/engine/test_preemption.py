@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cluster.metrics import Metrics
+from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
 from workers.engine.engine import LLMEngine
 from workers.engine.request import RequestOutput

@@ -43,14 +43,15 @@ def wait_until_indexed(backend, max_polls: int = 600) -> None:
 
 
 def test_simulated_hits_equal_the_live_clusters_cached_tokens(ray_session, tiny_dir):
-    from cluster.cluster_backend import BackendConfig, ClusterBackend
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
 
     requests = [r for start, limit in SLICES
                 for r in trace_slice(str(DEFAULT_TRACE), start, limit, SCALE, 1.0, CONFIG.max_model_len - 1)]
     # one at a time in simulated time too: each arrives after the previous one has published
     requests = [dataclasses.replace(r, index=i, arrival_s=1000.0 * i) for i, r in enumerate(requests)]
     prompts = trace_prompts(requests)
-    backend = ClusterBackend(tiny_dir, CONFIG, BackendConfig(num_replicas=2))
+    backend = ClusterBackend(tiny_dir, CONFIG, ClusterConfig(name=None, num_replicas=2))
     try:
         ids = list(backend.replica_ids)
         live = []

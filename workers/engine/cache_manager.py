@@ -22,6 +22,7 @@ from cache_service.block_pool import BlockPool
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.events import EventSink
 from cache_service.group_managers import GroupManagers
+from cache_service.lifecycle import settle
 from cache_service.local_cache import PoolLookup
 from cache_service.mamba_manager import MambaManager
 from cache_service.retention import CheckpointPlanner, make_retention
@@ -214,11 +215,8 @@ class EngineCacheManager:
             self.sidecar[blocks[end // size - 1].block_id] = hidden[first_row + end - 1 - start]
 
     def publish(self, req: Request) -> None:
-        """Publish every newly completed block of every group under its prefix hash."""
-        if not self.config.enable_prefix_caching:
-            return
-        computed = [req.num_draft_computed_tokens if draft else req.num_computed_tokens for draft in self._is_draft]
-        self.groups.publish(req.request_id, req.hashes, computed, req.checkpoints)
+        """After a step: publish every newly completed block of every group under its prefix hash."""
+        self._settle(req)
 
     def snapshot(self, req: Request, page: int, position: int) -> bool:
         """Retain the Mamba state in `page` (the state after `position` tokens) as a checkpoint."""
@@ -226,29 +224,35 @@ class EngineCacheManager:
             return False
         return self.mamba.snapshot(req.hashes, page, position)
 
-    def keep_final_states(self, req: Request) -> None:
-        """Snapshot the working state and the decode boundaries that retention keeps (the final
-        boundary and, in drop mode, one unit below), for the next chat turn or a resume."""
-        keep = set(self.planner.checkpoints(req.num_prompt_tokens, req.num_computed_tokens, req.junctions))
-        for pos, page in self.mamba.boundary_states(req.request_id):
-            if pos in keep:
-                self.snapshot(req, page, pos)
-
     def preempt(self, req: Request) -> None:
         """Give back everything `req` holds, keeping what lets it resume with a hit: its
-        published blocks and a snapshot of its state where it stopped (when aligned)."""
-        self.publish(req)
-        self.snapshot(req, self.state_page(req), req.num_computed_tokens)
-        self.keep_final_states(req)
-        self.release(req)
+        published blocks, a snapshot of its state where it stopped (when aligned) and the
+        boundary states retention keeps."""
+        self._settle(req, working_state_at=req.num_computed_tokens, keep_final=True, free=True)
 
-    def release(self, req: Request) -> None:
-        """Return all of a request's blocks; cached ones stay cached (LRU, tail first)."""
-        self.groups.free(req.request_id)
-        self._covered.pop(req.request_id, None)
-        self.block_tables.drop(req.request_id)
-        if self.draft_tables is not None:
-            self.draft_tables.drop(req.request_id)
+    def retire(self, req: Request, keep: bool = True) -> None:
+        """`req` ended: with `keep` (not aborted) publish its blocks and keep the boundary states
+        retention keeps (the final boundary and, in drop mode, one unit below: the next chat
+        turn's hit); then give back everything it holds."""
+        self._settle(req, publish=keep, keep_final=keep, free=True)
+
+    def _settle(self, req: Request, *, publish: bool = True, working_state_at: int | None = None,
+                keep_final: bool = False, free: bool = False) -> None:
+        """`lifecycle.settle` (publish -> snapshot -> keep -> free, the simulations' order too)."""
+        rid = req.request_id
+        if self.config.enable_prefix_caching:
+            computed = [req.num_draft_computed_tokens if draft else req.num_computed_tokens for draft in self._is_draft]
+            keep = (set(self.planner.checkpoints(req.num_prompt_tokens, req.num_computed_tokens, req.junctions))
+                    if keep_final else ())
+            settle(self.groups, rid, req.hashes, computed, req.checkpoints, publish=publish,
+                   working_state_at=working_state_at, keep=keep, free=free)
+        elif free:
+            self.groups.free(rid)
+        if free:
+            self._covered.pop(rid, None)
+            self.block_tables.drop(rid)
+            if self.draft_tables is not None:
+                self.draft_tables.drop(rid)
 
     def holds(self, req: Request) -> bool:
         return self.mamba.holds(req.request_id)

@@ -12,16 +12,16 @@ greedily, so outputs equal non-speculative greedy decoding.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Sequence
 
 import torch
 
-from cache_service.block_hash import RequestBlockHashes
+from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.coordinator import EagleMode
 from cache_service.events import EventSink
+from cache_service.ids import new_request_id
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
@@ -78,7 +78,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once
         self.pending_drafts = PendingDrafts()  # the MTP drafts of the last step, still on the device
-        self._ids = itertools.count()
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
             "engine: %d KV blocks x %d tokens, %d state pages, alignment %d, speculation %s (%s)",
@@ -103,6 +102,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
     ) -> str:
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
@@ -110,12 +110,12 @@ class LLMEngine:
         validate_prompt(prompt, self.vocab_size, limit)
         if params.max_tokens > limit - len(prompt):
             params = dataclasses.replace(params, max_tokens=limit - len(prompt))
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or new_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         hashes = RequestBlockHashes(
             self.cache.layout.hash_block_size, prompt, model_fingerprint=self.config.model_fingerprint,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, known=block_hashes,
         )
         eos = () if params.ignore_eos else self.eos_token_ids
         req = Request(request_id, prompt, params, hashes, cache_salt, sampler=Sampler(params, eos))
@@ -331,11 +331,8 @@ class LLMEngine:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.scheduler.remove(req)
-        if self.cache.holds(req) and reason is not FinishReason.ABORT:
-            self.cache.publish(req)
-            self.cache.keep_final_states(req)
         if self.cache.holds(req):
-            self.cache.release(req)
+            self.cache.retire(req, keep=reason is not FinishReason.ABORT)
 
 
 def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from workers.model.config_mapping import NOT_NEMOTRON_FIELDS, map_config
 from workers.model.errors import ConfigError, MissingFileError, UnsupportedLayerError
 
 
@@ -26,14 +27,6 @@ class LayerKind(str, enum.Enum):
     MOE = "E"
 
 
-_BLOCK_TYPE_TO_CHAR = {
-    "linear_attention": "M",
-    "mamba": "M",
-    "full_attention": "*",
-    "attention": "*",
-    "mlp": "-",
-    "moe": "E",
-}
 _CHAR_TO_BLOCK_TYPE = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
 MODEL_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
@@ -259,8 +252,6 @@ class HybridModelConfig:
         """Parse a config.json / YAML mapping of any supported architecture (see config_mapping.py):
         unknown fields and values that change the math in ways we do not run are a ConfigError naming
         the field."""
-        from workers.model.config_mapping import map_config
-
         try:
             return cls(**map_config(raw, {f.name for f in fields(cls)}))
         except TypeError as exc:
@@ -303,9 +294,6 @@ class HybridModelConfig:
         return out
 
 
-# Our own fields that are not NemotronH config.json fields (written only when not neutral).
-NOT_NEMOTRON_FIELDS = ("mlp_gated", "attention_multiplier", "rope_theta", "rotary_dim", "embedding_multiplier",
-                           "residual_multiplier", "logits_scaling", "moe_router")
 _MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group",
                "routed_scaling_factor", "norm_topk_prob")

@@ -18,9 +18,19 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.model.config import _BLOCK_TYPE_TO_CHAR, NOT_NEMOTRON_FIELDS
 from workers.model.errors import ConfigError, UnsupportedLayerError
 
+_BLOCK_TYPE_TO_CHAR = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+# Our own fields that are not NemotronH config.json fields (written only when not neutral).
+NOT_NEMOTRON_FIELDS = ("mlp_gated", "attention_multiplier", "rope_theta", "rotary_dim", "embedding_multiplier",
+                           "residual_multiplier", "logits_scaling", "moe_router")
 _NEMOTRON_ALIASES = {
     "mamba_n_groups": "n_groups",
     "mamba_d_conv": "conv_kernel",

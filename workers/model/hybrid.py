@@ -17,28 +17,16 @@ import torch
 from torch import nn
 
 from workers.model import caches as cache_mod
-from workers.model.attention import PagedAttention
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch, ForwardCounts
 from workers.model.kernels import TORCH_KERNELS, KernelSet
 from workers.model.linear import Linear
-from workers.model.mamba2 import Mamba2Mixer
 from workers.model.mamba_plan import MambaPlan
-from workers.model.mlp import make_mlp
-from workers.model.moe import MoE
+from workers.model.mixers import make_mixer
+from workers.model.mtp import MTPHead
 from workers.model.norms import RMSNorm
 from workers.model.paged_plan import PagedPlan
-
-
-def make_mixer(config: HybridModelConfig, kind: LayerKind, kernels: KernelSet) -> nn.Module:
-    if kind is LayerKind.MAMBA:
-        return Mamba2Mixer(config, kernels)
-    if kind is LayerKind.ATTENTION:
-        return PagedAttention(config, kernels)
-    if kind is LayerKind.MOE:
-        return MoE(config)
-    return make_mlp(config)
 
 
 class HybridBlock(nn.Module):
@@ -76,8 +64,6 @@ class HybridForCausalLM(nn.Module):
         tie_lm_head: bool | None = None,
     ):
         super().__init__()
-        from workers.model.mtp import MTPHead  # mtp.py builds on this module's blocks
-
         self.config = config
         self.kernels = kernels
         self.model = HybridBackbone(config, kernels)

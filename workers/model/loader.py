@@ -33,6 +33,22 @@ log = logging.getLogger(__name__)
 MTP_PREFIX = "mtp."
 
 
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "half": torch.float16}
+
+
+def resolve_dtype(model_dir: Path, dtype: str | torch.dtype | None) -> torch.dtype:
+    """`auto` / None: the checkpoint config.json's `dtype` (or `torch_dtype`), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        config = json.loads((model_dir / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)} or a torch.dtype, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def checkpoint_files(model_dir: str | Path) -> tuple[Path, list[Path]]:
     """(config.json, sorted *.safetensors) of a checkpoint dir; MissingFileError naming what is absent."""
     root = Path(model_dir)

@@ -19,9 +19,9 @@ from torch import nn
 from workers.model.caches import ModelCaches
 from workers.model.config import HybridModelConfig, LayerKind
 from workers.model.forward_batch import ForwardBatch
-from workers.model.hybrid import make_mixer
 from workers.model.kernels import KernelSet
 from workers.model.linear import Linear
+from workers.model.mixers import make_mixer
 from workers.model.norms import RMSNorm
 from workers.model.paged_plan import PagedPlan
 

@@ -270,15 +270,6 @@ class TPModel:
                 self._on_close()
 
 
-def create_tp_engine(model_dir: str, engine_config, tp_size: int, backend: str = "gloo", events=None,
-                     ray_actor_options: dict | None = None, **kw):
-    """An LLMEngine over a TPModel whose ranks 1..n-1 are Ray actors: see workers.tp_worker (the Ray
-    side lives there, out of the model layer)."""
-    from workers.tp_worker import create_tp_engine as create
-
-    return create(model_dir, engine_config, tp_size, backend, events, ray_actor_options, **kw)
-
-
 def serve_tp_commands(shard: HybridForCausalLM, group: TPGroup) -> int:
     """The loop of ranks 1..n-1: run rank 0's commands on this shard until STOP. Returns the number
     of commands served; a failing command is logged and re-raised (the group is then unusable)."""

@@ -1,0 +1,238 @@
+"""The cluster controller, a detached Ray actor: replica lifecycle, health, autoscaling, warm-up.
+
+    ClusterController (named "<cluster>-controller", lifetime detached)
+      ReplicaSet      replica actors in placement groups; purge = stop; health checks
+      CacheService    a named actor it starts (the index + routing; front doors call it directly)
+      Transfers       page moves (whichever front door asks: one per pair at a time)
+      Warmer          new replicas warmed with every front door's hot prefixes (`control.warmup`)
+      count keeper    `ReplicaCountKeeper`: with an autoscaler configured, the `ReplicaAutoscaler`
+                      over the replicas' own load reports (all front doors' work; this actor is its
+                      `ScalableReplicas`; it replaces dead replicas up to min); without one, the
+                      `ReplicaRestarter`, which replaces each dead replica of the fixed count
+                      (crash-loop backoff). Never both.
+
+Front doors (`ClusterBackend`) find it by name: a restarted front door or driver reattaches to
+the running cluster instead of starting another. Replicas and the cache service are owned by the
+controller, so they outlive any front door. Messages: `cluster.messages`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+import threading
+import time
+
+import ray
+
+from cache_service.router import RouterConfig
+from cache_service.service import CacheService
+from cluster.config import ClusterConfig
+from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
+from cluster.control.replica_set import ReplicaSet
+from cluster.control.transfers import Transfers
+from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
+from cluster.ids import service_name
+from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg
+
+log = logging.getLogger(__name__)
+
+
+class ClusterController:
+    def __init__(self, cluster_name: str, model_dir: str, engine_config, config: ClusterConfig,
+                 router: RouterConfig, replica_cls: type) -> None:
+        """`config`: replicas, resources, health, transfers, autoscaler; `router`: the cache service's."""
+        logging.basicConfig(level=logging.INFO)
+        self.config = config
+        self.namespace = ray.get_runtime_context().namespace
+        self.service_name = service_name(cluster_name)
+        self.replicas = ReplicaSet(model_dir, engine_config, config, self.service_name, self.namespace,
+                                   secrets.token_hex(16), replica_cls, on_purge=self._on_purge)
+        self._version = 0
+        self._lock = threading.RLock()
+        self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
+        initial = self.replicas.add(config.num_replicas)
+        first = next(iter(self.replicas.replicas.values())).info
+        self.service = ray.remote(CacheService).options(
+            name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
+        ).remote(list(first.groups), first.eagle, first.fingerprint, router.policy, router,
+                 drop_rule=engine_config.drop_rule)
+        ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
+        self.replicas.attach_all()
+        self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
+        estimate = functools.partial(dry_run_estimate, self.service, first.hash_block_size, first.fingerprint,
+                                     self.replicas.routable)
+        self.hot = HotPrefixBook(config.hot_prefixes)
+        self.warmer = Warmer(self.hot, estimate, self.transfers.transfer)
+        self.keeper = ReplicaCountKeeper(self, self._start_replica, config.autoscaler, config.restart)
+        self.keeper.started(initial)
+        self.autoscaler = self.keeper.autoscaler
+        self._stop = threading.Event()
+        if config.health_interval_s > 0:
+            threading.Thread(target=self._health_loop, name="replica-health", daemon=True).start()
+        self.keeper.start()
+
+    # ---- membership ---------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return True
+
+    def membership(self) -> MembershipMsg:
+        with self._lock:
+            entries = tuple(ReplicaEntryMsg(r.replica_id, r.actor, r.info, r.draining)
+                            for r in self.replicas.replicas.values())
+            return MembershipMsg(self._version, entries, self.service_name, self.namespace)
+
+    def _changed(self) -> None:
+        with self._lock:
+            self._version += 1
+
+    def _on_purge(self, replica_id: str, reason: str) -> None:
+        try:
+            ray.get(self.service.remove_replica.remote(replica_id), timeout=10)
+        except Exception:  # noqa: BLE001 - the service is down; a restarted one never hears from it
+            pass
+        self.transfers.forget_replica(replica_id)
+        self._changed()
+        self.keeper.purged(replica_id, reason)  # a death: the restarter (if it keeps the count) replaces it
+
+    def report_failure(self, replica_id: str, reason: str) -> None:
+        """A front door saw `replica_id` fail (died, unhealthy): purge and stop it."""
+        self.replicas.purge(replica_id, reason)
+
+    # ---- lifecycle (also the autoscaler's backend interface) -----------------------------------
+    @property
+    def replica_ids(self) -> list[str]:
+        return self.replicas.ids
+
+    def note_frontdoor(self, frontdoor_id: str, num_unfinished: int) -> None:
+        """A front door's accepted, unfinished requests (some not routed yet: replicas cannot count them)."""
+        self._frontdoors[frontdoor_id] = (time.monotonic(), num_unfinished)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests in flight: what the replicas report (every front door's work), or what the
+        front doors report if more (requests accepted but not yet on a replica)."""
+        horizon = time.monotonic() - 5.0
+        doors = sum(n for t, n in self._frontdoors.values() if t >= horizon)
+        try:
+            loads = ray.get(self.service.stats.remote(), timeout=5)["loads"]
+        except Exception:  # noqa: BLE001 - unknown while the service restarts
+            return doors
+        return max(doors, sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas))
+
+    def add_replicas(self, n: int) -> list[str]:
+        """Start `n` replicas on purpose (the count kept after a death grows by `n`)."""
+        cap = self.config.autoscaler.max_replicas if self.config.autoscaler is not None else None
+        if cap is not None and len(self.replicas.replicas) + n > cap:
+            raise RuntimeError(f"at most {cap} replicas (autoscaler.max_replicas)")
+        ids = self._start_replicas(n)
+        self.keeper.started(ids)
+        return ids
+
+    def _start_replica(self) -> str:
+        """The restarter's replacement for a vacant slot."""
+        (rid,) = self._start_replicas(1)
+        return rid
+
+    def _start_replicas(self, n: int) -> list[str]:
+        """Start, register with the cache service, attach; then front doors see them (version)."""
+        ids = self.replicas.add(n)
+        try:
+            ray.get([self.service.add_replica.remote(r) for r in ids], timeout=10)
+        except Exception:  # noqa: BLE001 - a restarted service learns them from their pushes
+            pass
+        try:
+            ray.get([self.replicas.get(r).actor.attach_service.remote(self.service_name, self.namespace)
+                     for r in ids])
+        except Exception as exc:
+            for r in ids:  # died while starting: never left in the membership
+                self.replicas.purge(r, f"failed to start ({type(exc).__name__})")
+            raise
+        self._changed()
+        return ids
+
+    def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:
+        """Drain: front doors stop routing to it; once it reports nothing in flight, stop it."""
+        rep = self.replicas.get(replica_id)
+        if rep is None:
+            return
+        self.keeper.removing(replica_id)  # not replaced, even if it dies while draining
+        rep.draining = True
+        self._changed()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                loads = ray.get(self.service.stats.remote(), timeout=5)["loads"]
+                if loads.get(replica_id, {}).get("requests", 0) == 0:
+                    break
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.2)
+        self.replicas.purge(replica_id, REMOVED)
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            try:
+                self.replicas.check_health(self.config.health_max_missed, self.config.health_timeout_s)
+            except Exception:  # noqa: BLE001 - keep checking
+                log.exception("health check failed")
+
+    # ---- transfers and warming ------------------------------------------------------------------
+    def transfer(self, msg: TransferMsg) -> bool:
+        return self.transfers.transfer(list(msg.prompt_token_ids), msg.cache_salt, msg.src_replica,
+                                       msg.dst_replica, msg.num_tokens)
+
+    def note_hot(self, items: list[HotPrefixMsg]) -> None:
+        self.hot.merge(items)
+
+    def warm(self, replica_id: str, limit: int | None = None) -> int:
+        """Copy the hottest known prefixes onto `replica_id` from their holders; transfers done."""
+        return self.warmer.warm(replica_id, limit)
+
+    # ---- autoscaling (a front door may step it: tests) --------------------------------------------
+    def autoscale_step(self):
+        return self.autoscaler.step()
+
+    def autoscale_history(self) -> list:
+        return list(self.autoscaler.history) if self.autoscaler else []
+
+    def stats(self) -> dict:
+        return {"replica_deaths": self.replicas.num_deaths, "replica_restarts": self.keeper.num_restarts,
+                "replica_restart_failures": self.keeper.num_failed_restarts, **self.transfers.counters,
+                "version": self._version, "num_replicas": len(self.replicas.replicas),
+                "replica_slots": self.keeper.num_slots}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.keeper.stop()
+        self.replicas.shutdown()
+        try:
+            ray.kill(self.service, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class AutoscalerProxy:
+    """The controller's autoscaler seen from a front door (it runs in the controller)."""
+
+    def __init__(self, controller, before, on_change) -> None:
+        self.controller = controller
+        self.before = before  # this front door's requests counted as of now
+        self.on_change = on_change  # this front door sees the result at once
+
+    def step(self):
+        self.before()
+        event = ray.get(self.controller.autoscale_step.remote())
+        self.on_change()
+        return event
+
+    @property
+    def history(self) -> list:
+        return ray.get(self.controller.autoscale_history.remote())
+
+    def start(self) -> None:
+        """Already running in the controller."""
+
+    def stop(self) -> None:
+        """Stops with the controller."""

@@ -1,0 +1,211 @@
+"""The replica actors of one cluster: start (each in its own placement group), stop, purge, health.
+
+Each replica's tensor-parallel ranks are placed through a Ray placement group, one bundle per
+rank, `STRICT_PACK` (one node), `num_gpus: 1` per rank on CUDA, as vLLM and Ray Serve LLM place
+TP workers: a replica gets all its ranks or waits, never half of them. Rank 0 (the replica actor)
+sits in bundle 0; the TPWorker actors of ranks 1..n-1 in the group's other bundles.
+
+Purging (a replica died, reports itself unhealthy, or stopped answering health checks) always
+kills the actor and removes its placement group: a purged replica never keeps running beside
+its replacement, so the autoscaler's count is the number of live actors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from cluster.config import ClusterConfig
+from cluster.control.replica_count import REMOVED
+from cluster.ids import placement_group_name, replica_id
+from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
+from workers.replica_messages import ReplicaInfoMsg
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ReplicaHandle:
+    replica_id: str
+    actor: object
+    info: ReplicaInfoMsg
+    placement_group: object = None
+    draining: bool = False  # front doors route to it no more; stopped once its requests finished
+    missed_health_checks: int = 0
+
+
+class ReplicaSet:
+    def __init__(self, model_dir: str, engine_config, config: ClusterConfig, service_name: str, namespace: str | None,
+                 secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
+        """`config`: replica resources, TP size, streams per replica.
+        `on_purge(replica_id, reason)`: called after a replica was purged (index, channels, restarts)."""
+        self.model_dir = model_dir
+        self.engine_config = engine_config
+        self.config = config
+        self.service_name = service_name
+        self.namespace = namespace
+        self.secret = secret
+        self._cls = ray.remote(**actor_options(config.max_streams_per_replica))(replica_cls)
+        self._on_purge = on_purge
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.replicas: dict[str, ReplicaHandle] = {}
+        self.fingerprint: str | None = None
+        self.num_deaths = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def add(self, n: int) -> list[str]:
+        """Start `n` replicas in parallel and wait until they serve."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c = self.config
+        bundle = {"CPU": c.num_cpus_per_rank or 0.001}
+        if c.num_gpus_per_rank:
+            bundle["GPU"] = c.num_gpus_per_rank
+        started = []
+        for node in self.spread(n):
+            rid = replica_id(next(self._ids))
+            pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK",
+                                 name=placement_group_name(self.service_name, rid), _soft_target_node_id=node)
+            rank0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            ranks = {"num_cpus": c.num_cpus_per_rank, "num_gpus": c.num_gpus_per_rank,
+                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=-1)}
+            actor = self._cls.options(num_cpus=c.num_cpus_per_rank, num_gpus=c.num_gpus_per_rank, max_restarts=0,
+                                      scheduling_strategy=rank0).remote(
+                rid, self.model_dir, self.engine_config, c.tp_size, c.distributed_backend, None, None,
+                c.max_streams_per_replica, ranks if c.tp_size > 1 else None)
+            started.append((rid, actor, pg))
+        try:
+            infos = ray.get([a.describe.remote() for _, a, _ in started])
+            ray.get([a.set_transfer_secret.remote(self.secret) for _, a, _ in started])
+        except Exception:
+            for _, actor, pg in started:  # a replica that cannot start must not hold its placement group
+                self._stop(actor, pg)
+            raise
+        out = []
+        for (rid, actor, pg), info in zip(started, infos):
+            if self.fingerprint is not None and info.fingerprint != self.fingerprint:
+                self._stop(actor, pg)
+                raise RuntimeError(f"{rid} loaded a different model ({info.fingerprint})")
+            self.fingerprint = info.fingerprint
+            with self._lock:
+                self.replicas[rid] = ReplicaHandle(rid, actor, info, pg)
+            out.append(rid)
+        log.info("replicas up: %s", ", ".join(f"{i.replica_id}@{i.node_id[:8]}" for i in infos))
+        return out
+
+    def spread(self, n: int) -> list[str | None]:
+        """A target node per new replica: the alive nodes with the replica's resources holding
+        the fewest replicas first (Ray's own placement was seen stacking replicas on one node
+        while another was idle). None: one node, let Ray place it."""
+        cpus, gpus = self.config.num_cpus_per_rank, self.config.num_gpus_per_rank
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")
+                 and node.get("Resources", {}).get("CPU", 0) >= cpus
+                 and node.get("Resources", {}).get("GPU", 0) >= gpus]
+        if len(nodes) < 2:
+            return [None] * n
+        with self._lock:
+            count = {node: 0 for node in nodes}
+            for rep in self.replicas.values():
+                if rep.info.node_id in count:
+                    count[rep.info.node_id] += 1
+        out = []
+        for _ in range(n):
+            node = min(nodes, key=lambda x: (count[x], nodes.index(x)))
+            count[node] += 1
+            out.append(node)
+        return out
+
+    def attach_all(self) -> None:
+        """Point every replica's event publisher at the cache service (after it exists)."""
+        with self._lock:
+            actors = [r.actor for r in self.replicas.values()]
+        ray.get([a.attach_service.remote(self.service_name, self.namespace) for a in actors])
+
+    def purge(self, replica_id: str, reason: str) -> bool:
+        """Forget and stop a replica (`reason`: REMOVED when on purpose, else why it was purged:
+        counted as a death). True if it was still known."""
+        with self._lock:
+            rep = self.replicas.pop(replica_id, None)
+        if rep is None:
+            return False
+        if reason != REMOVED:
+            self.num_deaths += 1
+            log.warning("replica %s %s: purging and stopping it", replica_id, reason)
+        else:
+            try:
+                ray.get(rep.actor.shutdown.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - stopping it anyway
+                pass
+        self._stop(rep.actor, rep.placement_group)
+        if self._on_purge is not None:
+            self._on_purge(replica_id, reason)
+        return True
+
+    @staticmethod
+    def _stop(actor, pg) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---- health -----------------------------------------------------------------------------
+    def check_health(self, max_missed: int = 3, timeout_s: float = CONTROL_TIMEOUT_S) -> list[str]:
+        """Ping every replica (its control group: never queued behind streams). Purge the dead,
+        the unhealthy, and those that missed `max_missed` checks in a row. Returns the purged."""
+        with self._lock:
+            reps = list(self.replicas.values())
+        refs = [(rep, rep.actor.ping.remote()) for rep in reps]
+        purged = []
+        for rep, ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s)
+                rep.missed_health_checks = 0
+            except ReplicaUnhealthyError as exc:
+                purged += [rep.replica_id] if self.purge(rep.replica_id, f"unhealthy ({exc})") else []
+            except RayActorError:
+                purged += [rep.replica_id] if self.purge(rep.replica_id, "died") else []
+            except GetTimeoutError:
+                rep.missed_health_checks += 1
+                if rep.missed_health_checks >= max_missed and self.purge(rep.replica_id, "stopped answering"):
+                    purged.append(rep.replica_id)
+        return purged
+
+    # ---- views ----------------------------------------------------------------------------
+    def get(self, replica_id: str) -> ReplicaHandle | None:
+        return self.replicas.get(replica_id)
+
+    @property
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self.replicas)
+
+    def routable(self) -> list[str]:
+        with self._lock:
+            return sorted(r for r, rep in self.replicas.items() if not rep.draining)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            reps = list(self.replicas.values())
+            self.replicas.clear()
+        try:  # stop engines (and TP workers) cleanly, then make sure
+            ray.wait([rep.actor.shutdown.remote() for rep in reps], num_returns=len(reps), timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        for rep in reps:
+            self._stop(rep.actor, rep.placement_group)

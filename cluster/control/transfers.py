@@ -1,0 +1,65 @@
+"""Prefix-page transfers between replicas, done by the controller.
+
+A transfer moves the pages serving a hit from `src` to `dst` over their pair channel (one at a
+time per ordered pair: they share one channel); any failure is logged, the pair's channel is
+dropped (the next transfer opens a fresh one) and the request recomputes. What to move is
+`cache_service.transfer_plan`'s call; warming a new replica is `control.warmup`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from cluster.control.replica_set import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_TIMEOUT_S = 10.0
+
+
+class Transfers:
+    """The controller's page mover (whichever front door asks, one transfer per ordered pair at a
+    time: they share one channel)."""
+
+    def __init__(self, replicas: ReplicaSet, timeout_s: float = 120.0) -> None:
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.counters = {"transfers": 0, "transfer_failures": 0}
+        self._lock = threading.Lock()
+        self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._channel_gen: dict[tuple[str, str], int] = {}  # (src, dst) -> channel generation
+
+    def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
+                 num_tokens: int) -> bool:
+        """Move the pages serving a `num_tokens` hit src -> dst; on any failure log why and return
+        False (the request then recomputes)."""
+        with self._lock:
+            pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
+        try:
+            with pair_lock:
+                s, d = self.replicas.get(src), self.replicas.get(dst)
+                if s is None or d is None:
+                    raise RuntimeError(f"{src if s is None else dst} is gone")
+                endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
+                gen = self._channel_gen.get((src, dst), 0)  # a fresh pair after a failure
+                sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
+                received = d.actor.recv_prefix.remote(src, endpoint, gen)
+                ray.get([sent, received], timeout=self.timeout_s)
+            self.counters["transfers"] += 1
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
+            log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
+            self.counters["transfer_failures"] += 1
+            self._channel_gen[(src, dst)] = self._channel_gen.get((src, dst), 0) + 1
+            for a, b in ((src, dst), (dst, src)):
+                rep = self.replicas.get(a)
+                if rep is not None:
+                    rep.actor.drop_channel.remote(b)
+            return False
+
+    def forget_replica(self, replica_id: str) -> None:
+        for rep in list(self.replicas.replicas.values()):
+            rep.actor.drop_channel.remote(replica_id)

@@ -1,0 +1,302 @@
+"""A front door onto the cluster: it implements the HTTP front end's `Backend` protocol
+(`cluster.http.backend`). Several front doors may serve one cluster; each composes one object
+per concept:
+
+    controller      (control/controller.py, a detached named actor: found, or started by the first
+                    front door) replica lifecycle, health, autoscaling, warm-up, transfers
+    MembershipView  (membership.py)      the replicas' handles, refreshed from the controller
+    RoutingClient   (routing_client.py)  one cache-service call per decision (batched under load);
+                                         load-only routing while the service is down
+    request_streams (request_streams.py) serving one request: retries, outputs, no token twice
+    HotPrefixes     (hot_prefixes.py)    the prompts served, handed to the controller for warming
+    ClusterStatus   (status.py)          the controller's, the service's and this door's counts
+
+    submit(request)                                   (returns at once; a worker thread serves it)
+      0. hash the prompt, once (the replica's engine adopts the hashes)
+      1. route: one call to the cache service (no lock, no pull); if the plan says the holder is
+         busy, the controller moves its pages to the chosen replica first (recompute on failure)
+      2. stream the replica's outputs into the request's stream
+      3. the replica died or reports itself unhealthy: the controller purges (stops) it, the
+         request is served elsewhere; tokens the caller already has are not sent twice (greedy and
+         seeded outputs are deterministic; an unseeded sampled request that had already streamed
+         fails with a retryable error)
+      4. the cache service is down: route by load until Ray has restarted it; every replica then
+         resyncs into it by itself (its next push is refused)
+
+Verification (tests, `python -m bench.faults`): `index_problems()` lists where the service's
+index differs from the live replicas' caches. Faults are injected through test doubles
+(`bench.fault_doubles`), not through methods here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from cache_service.router import RouterConfig
+from cache_service.transfer_plan import plan_transfer
+from cluster.config import ClusterConfig
+from cluster.control.controller import AutoscalerProxy, ClusterController
+from cluster.frontdoor.hot_prefixes import HotPrefixes
+from cluster.frontdoor.index_check import index_problems
+from cluster.frontdoor.membership import MemberReplica, MembershipView
+from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
+from cluster.frontdoor.routing_client import RoutingClient
+from cluster.frontdoor.status import ClusterStatus, DoorMetrics
+from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
+from cluster.messages import TransferMsg
+from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
+from workers.engine.request import RequestOutput
+from workers.engine.sampling import SamplingParams
+from workers.engine_runner import RequestStream
+from workers.replica import TransferReplica
+from workers.replica_messages import GenerateMsg
+
+log = logging.getLogger(__name__)
+
+SERVICE_TIMEOUT_S = 10.0
+MEMBERSHIP_INTERVAL_S = 0.5
+
+__all__ = ["ClusterBackend", "ReplicaFailedError"]
+
+
+class ClusterBackend:
+    def __init__(self, model_dir: str, engine_config, config: ClusterConfig | None = None,
+                 router: RouterConfig | None = None, replica_cls: type = TransferReplica) -> None:
+        """Attach to the cluster named `config.name` if its controller runs; else start it (a
+        detached controller: it outlives this front door until `shutdown(stop_cluster=True)`).
+        `config` None: one replica, a cluster of its own (a fresh name)."""
+        self.model_dir = model_dir
+        self.engine_config = engine_config
+        self.config = config or ClusterConfig(name=None)
+        self.router = router or RouterConfig()
+        self.name = self.config.name or new_cluster_name()
+        self.namespace = ray.get_runtime_context().namespace
+        try:
+            self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
+            self.owns_cluster = False
+        except ValueError:
+            self.controller = ray.remote(ClusterController).options(
+                name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
+                max_concurrency=64, max_restarts=0, get_if_exists=True,
+            ).remote(self.name, model_dir, engine_config, self.config, self.router, replica_cls)
+            self.owns_cluster = True
+        ray.get(self.controller.ready.remote())
+        self.replicas = MembershipView(self.controller)
+        self._lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
+        self.metrics: DoorMetrics | None = None
+        self.num_retries = 0
+        first = next(iter(self.replicas.replicas.values())).info
+        self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
+                       "alignment": first.alignment}
+        self.service_name = self.replicas.service_name
+        self.service = ray.get_actor(self.service_name, namespace=self.namespace)
+        self.status = ClusterStatus(self.controller, self.service)
+        self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
+        self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
+        self.frontdoor_id = new_frontdoor_id()
+        self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
+                           if self.config.autoscaler is not None else None)
+        self._stop = threading.Event()
+        threading.Thread(target=self._follow_controller, name="membership", daemon=True).start()
+
+    def _follow_controller(self) -> None:
+        """Refresh the membership and hand this front door's hot prefixes to the controller."""
+        while not self._stop.wait(MEMBERSHIP_INTERVAL_S):
+            try:
+                self.replicas.refresh()
+                self.controller.note_hot.remote(self.hot.items())
+                self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished)
+            except Exception:  # noqa: BLE001 - the controller is busy or gone: keep serving what we know
+                log.debug("membership refresh failed", exc_info=True)
+
+    def _report_unfinished(self) -> None:
+        """Before an autoscaling step: this front door's load and hot prefixes, as of now."""
+        ray.get([self.controller.note_frontdoor.remote(self.frontdoor_id, self.num_unfinished),
+                 self.controller.note_hot.remote(self.hot.items())])
+
+    # ---- replicas (the controller does it; these wait for it) ---------------------------------------
+    def add_replicas(self, n: int) -> list[str]:
+        """Start `n` replicas (in parallel) and wait until they serve."""
+        ids = ray.get(self.controller.add_replicas.remote(n))
+        self.replicas.refresh()
+        return ids
+
+    def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:
+        """Drain (no new requests), wait for its requests to finish, then stop it."""
+        ray.get(self.controller.remove_replica.remote(replica_id, timeout_s))
+        self.replicas.refresh()
+
+    def purge(self, replica_id: str, reason: str) -> None:
+        self.replicas.drop(replica_id)
+        try:
+            ray.get(self.controller.report_failure.remote(replica_id, reason), timeout=60)
+        except Exception:  # noqa: BLE001 - the controller's health checks find it anyway
+            log.warning("could not report %s to the controller", replica_id)
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return self.replicas.ids
+    # ---- the EngineRunner interface -------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits["max_model_len"]
+
+    def attach_metrics(self, metrics: DoorMetrics) -> None:
+        self.metrics = metrics
+        metrics.attach_cluster_counters(self.status.controller_counters)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+               request_id: str | None = None, replica_id: str | None = None) -> RequestStream:
+        """Validate and accept; raises `InvalidRequestError` or `ServerOverloadedError` at once."""
+        return self._accept(prompt_token_ids, params, cache_salt, request_id, replica_id).stream
+
+    def _accept(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                request_id: str | None, replica_id: str | None) -> Job:
+        """The prompt is hashed here, once: the cache service routes by these hashes and the
+        replica's engine adopts them."""
+        prompt = tuple(prompt_token_ids)
+        validate_prompt(prompt, self.limits["vocab_size"], self.limits["max_model_len"])
+        with self._lock:
+            if len(self._jobs) >= self.config.max_inflight:
+                raise ServerOverloadedError(f"{len(self._jobs)} requests in flight (max {self.config.max_inflight})",
+                                            retry_after_s=1.0)
+            rid = request_id or new_request_id()
+            if rid in self._jobs:
+                raise InvalidRequestError(f"duplicate request id {rid!r}")
+            msg = GenerateMsg(rid, prompt, params, cache_salt, self.routing.hashes(prompt, cache_salt))
+            job = Job(msg, RequestStream(rid), replica_id)
+            self._jobs[rid] = job
+        self._pool.submit(self._serve, job)
+        return job
+
+    def abort(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        job.cancelled = True
+        rep = self.replicas.get(job.replica_id or "")
+        if rep is not None:
+            rep.actor.abort.remote(request_id)
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                 replica_id: str | None = None) -> tuple[RequestOutput, str]:
+        """Blocking convenience (tests, tools): the finished output and the replica that served it."""
+        job = self._accept(prompt_token_ids, params, cache_salt, None, replica_id)
+        outputs = list(job.stream)
+        return outputs[-1], job.served_by
+
+    def _serve(self, job: Job) -> None:
+        try:
+            serve_request(self, job)
+        finally:
+            with self._lock:
+                self._jobs.pop(job.msg.request_id, None)
+
+    # ---- serving one request (request_streams.FrontDoor) ---------------------------------------
+    @property
+    def max_attempts(self) -> int:
+        return self.config.max_attempts
+
+    def replica(self, replica_id: str) -> MemberReplica | None:
+        return self.replicas.get(replica_id)
+
+    def count_retry(self) -> None:
+        with self._lock:
+            self.num_retries += 1
+
+    def finished(self, job: Job) -> None:
+        self.hot.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
+
+    def place(self, job: Job, exclude: tuple[str, ...]) -> str:
+        """Route, reserve this front door's count on the target, move pages if planned; the target.
+        Raises `NoReplicaError`."""
+        if job.forced is not None and self.replicas.get(job.forced) is None:
+            self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
+        with self._lock:
+            inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items() if not rep.draining}
+        target, decision = self.routing.route(job.msg, inflight, job.forced, exclude)
+        with self._lock:
+            rep = self.replicas.get(target)
+            if rep is not None:  # else gone meanwhile: the attempt fails over
+                rep.num_inflight += 1
+        if self.metrics is not None:
+            self.metrics.record_route(self.router.policy if decision else "load_only", target)
+        self.on_routed(job.msg, decision, target)
+        if decision is not None:
+            move = plan_transfer(decision, target)
+            if move is not None:
+                self.transfer(list(job.msg.prompt_token_ids), job.msg.cache_salt, *move)
+        return target
+
+    def on_routed(self, msg: GenerateMsg, decision, target: str) -> None:
+        """Called between routing a request and moving pages / serving it (a seam for test doubles)."""
+
+    def release(self, replica_id: str) -> None:
+        with self._lock:
+            rep = self.replicas.get(replica_id)
+            if rep is not None:
+                rep.num_inflight -= 1
+
+    def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
+                 num_tokens: int) -> bool:
+        """Move the pages of a `num_tokens` hit src -> dst (the controller does it: one transfer per
+        pair at a time, whichever front door asks). False on any failure (the request recomputes)."""
+        t0 = time.perf_counter()
+        ok = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
+                                                                 num_tokens)))
+        if self.metrics is not None:
+            self.metrics.record_transfer(ok, time.perf_counter() - t0, 0)
+        return ok
+
+    def warm(self, replica_id: str, limit: int | None = None) -> int:
+        """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""
+        ray.get(self.controller.note_hot.remote(self.hot.items()))
+        return ray.get(self.controller.warm.remote(replica_id, limit))
+
+    # ---- status ---------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict:
+        """Routing, transfer, failure and resync counts (`frontdoor.status`)."""
+        return self.status.counters(self.routing.counters, self.num_retries)
+
+    def stats(self) -> dict:
+        with self._lock:
+            reps = {r: {"inflight": rep.num_inflight, "draining": rep.draining, "node_id": rep.info.node_id}
+                    for r, rep in self.replicas.replicas.items()}
+        return {"replicas": reps, "inflight": len(self._jobs), **self.counters}
+
+    def service_stats(self) -> dict:
+        return ray.get(self.service.stats.remote(), timeout=SERVICE_TIMEOUT_S)
+
+    def index_problems(self) -> list[str]:
+        """Where the cache service's index differs from the live replicas' caches (empty: consistent);
+        see `cluster.frontdoor.index_check`."""
+        return index_problems(self.replicas, self.service)
+
+    def shutdown(self, stop_cluster: bool | None = None) -> None:
+        """Stop this front door (its requests are aborted); with `stop_cluster` (default: if this
+        front door started the cluster) also the controller, the replicas and the cache service."""
+        self._stop.set()
+        for job in list(self._jobs.values()):
+            self.abort(job.msg.request_id)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if stop_cluster if stop_cluster is not None else self.owns_cluster:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                ray.kill(self.controller, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass

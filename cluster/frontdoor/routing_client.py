@@ -1,0 +1,119 @@
+"""A front door's link to the cache service: hash the prompt, one call, one decision.
+
+The front door sends (block hashes, salt, prompt length) and gets (replica, expected hit,
+optional transfer plan). It never pulls events and holds no lock across the call, so decisions
+from many threads and many front doors proceed at once. When the service is down (Ray restarts
+it) or knows no replica yet, the front door routes by its own view of load (its requests in
+flight per replica; ties at random) until the service answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import ray
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.messages import RouteDecision, RouteRequestMsg
+from cache_service.router import NoReplicaError
+from workers.replica_messages import GenerateMsg
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 10.0
+
+
+class RouteBatcher:
+    """At most `max_in_flight` route calls in flight; requests that arrive meanwhile ride the next
+    call together (`CacheService.route_many`). At a low rate every request is its own call; under
+    load the per-call overhead of Ray is shared, so throughput grows instead of latency."""
+
+    def __init__(self, get_service, max_in_flight: int = 2, max_batch: int = 128,
+                 timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+        self.get_service = get_service
+        self.max_batch = max_batch
+        self.timeout_s = timeout_s
+        self.num_calls = 0
+        self._pending: deque = deque()
+        self._cv = threading.Condition()
+        for i in range(max_in_flight):
+            threading.Thread(target=self._run, name=f"route-batcher-{i}", daemon=True).start()
+
+    def submit(self, msg: RouteRequestMsg) -> Future:
+        """A future of the decision (None: the service knows no replica)."""
+        future: Future = Future()
+        with self._cv:
+            self._pending.append((msg, future))
+            self._cv.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                batch = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch))]
+            try:
+                ref = self.get_service().route_many.remote([msg for msg, _ in batch])
+                self.num_calls += 1
+                results = ray.get(ref, timeout=self.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - every waiter learns why
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), decision in zip(batch, results):
+                future.set_result(decision)
+
+
+class RoutingClient:
+    def __init__(self, service_name: str, namespace: str | None, hash_block_size: int, fingerprint: str,
+                 timeout_s: float = ROUTE_TIMEOUT_S, seed: int | None = None) -> None:
+        self.service_name = service_name
+        self.namespace = namespace
+        self.hash_block_size = hash_block_size
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.counters = {"routed": 0, "load_only": 0}
+        self._rng = random.Random(seed)
+        self._service = None
+        self.batcher = RouteBatcher(lambda: self.service, timeout_s=timeout_s)
+
+    @property
+    def service(self):
+        if self._service is None:
+            self._service = ray.get_actor(self.service_name, namespace=self.namespace)
+        return self._service
+
+    def hashes(self, prompt: list[int] | tuple[int, ...], salt: str | None) -> tuple:
+        return tuple(RequestBlockHashes(self.hash_block_size, prompt, model_fingerprint=self.fingerprint,
+                                        cache_salt=salt).hashes)
+
+    def route(self, msg: GenerateMsg, inflight: dict[str, int], forced: str | None = None,
+              exclude: tuple[str, ...] = (), dry_run: bool = False) -> tuple[str, RouteDecision | None]:
+        """(target, decision or None when routed by load). `inflight`: the routable replicas here
+        and this front door's requests on each. Raises `NoReplicaError` if there is none."""
+        candidates = {r: n for r, n in inflight.items() if r not in exclude}
+        if not candidates:
+            raise NoReplicaError("no live replica")
+        hashes = msg.block_hashes if msg.block_hashes is not None else self.hashes(msg.prompt_token_ids, msg.cache_salt)
+        request = RouteRequestMsg(hashes, len(msg.prompt_token_ids),
+                                  msg.cache_salt, msg.params.max_tokens, forced if forced in candidates else None,
+                                  tuple(exclude), dry_run)
+        try:
+            decision = self.batcher.submit(request).result()  # None: a restarted service that knows no replica
+        except Exception as exc:  # noqa: BLE001 - dead, restarting, not created yet: route by load
+            log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
+            self._service = None
+            decision = None
+        if forced in candidates:
+            return forced, decision
+        if decision is not None and decision.replica_id in candidates:
+            self.counters["routed"] += 1
+            return decision.replica_id, decision
+        self.counters["load_only"] += 1
+        least = min(candidates.values())
+        return self._rng.choice(sorted(r for r, n in candidates.items() if n == least)), None
