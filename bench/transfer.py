@@ -35,7 +35,8 @@ def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int,
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling import SamplingParams
-    from workers.transfer import recv_prefix, send_prefix
+    from workers.transfer import send_prefix
+    from workers.transfer_recv import recv_prefix
 
     config = EngineConfig(kernels="torch", max_model_len=prompt_len + 64, cache_memory_bytes=512 * 2**20)
     engine = LLMEngine.from_checkpoint(model_dir, config)

@@ -310,7 +310,7 @@ class TransferMixin:
 
     @ray.method(concurrency_group="transfer")
     def recv_prefix(self, peer_id: str, endpoint: tuple[str, int], generation: int = 0) -> int:
-        from workers.transfer import recv_prefix
+        from workers.transfer_recv import recv_prefix
 
         channel = self._channel(f"{peer_id}->{self.replica_id}#{generation}", 1, tuple(endpoint))
         return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop)

@@ -57,7 +57,7 @@ class TransferHeader:
         return cls(**data)
 
 
-def _group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
+def group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
     """The page-indexed tensors of a group ([num_pages, ...] each), in a fixed order."""
     caches = cache.caches
     kind = cache.layout.groups[group].kind
@@ -70,13 +70,13 @@ def _group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
     return [t for layer in sorted(caches.draft_kv) for t in caches.draft_kv[layer]]
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
+def host_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes for the checksum (a host copy when the pages live on a GPU)."""
     return memoryview((t if t.device.type == "cpu" else t.cpu()).numpy())
 
 
 def _checksum(payload: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(_host_bytes(payload))
+    return xxhash.xxh3_64_hexdigest(host_bytes(payload))
 
 
 def export_prefix(
@@ -102,7 +102,7 @@ def export_prefix(
                 raise TransferError(f"group {group}: page for the {num_tokens}-token prefix is not cached")
             ids.append(block.block_id)
         index = torch.tensor(ids, dtype=torch.long)
-        parts.extend(t.index_select(0, index).reshape(-1) for t in _group_tensors(cache, group))
+        parts.extend(t.index_select(0, index).reshape(-1) for t in group_tensors(cache, group))
     payload = torch.cat(parts).contiguous().view(torch.uint8)
     header = TransferHeader(
         cache.config.model_fingerprint, str(parts[0].dtype), tp_size, tp_rank, cache.block_size,
@@ -134,7 +134,7 @@ def import_prefix(
     if str(sample.dtype) != header.dtype:
         raise TransferError(f"incompatible transfer: dtype {header.dtype}, here {sample.dtype}")
     values = payload.view(sample.dtype)
-    expected = sum(len(keys) * t[0].numel() for g, keys in enumerate(header.keys) for t in _group_tensors(cache, g))
+    expected = sum(len(keys) * t[0].numel() for g, keys in enumerate(header.keys) for t in group_tensors(cache, g))
     if values.numel() != expected:
         raise TransferError("transfer payload size does not match its pages")
     offset, stored = 0, 0
@@ -144,7 +144,7 @@ def import_prefix(
         pages = pool.allocate(len(fresh))
         rows = torch.tensor(fresh, dtype=torch.long)
         dst = torch.tensor([p.block_id for p in pages], dtype=torch.long)
-        for t in _group_tensors(cache, group):
+        for t in group_tensors(cache, group):
             n = len(keys) * t[0].numel()
             if pages:
                 t.index_copy_(0, dst, values[offset : offset + n].view(len(keys), *t.shape[1:]).index_select(0, rows))
@@ -172,7 +172,7 @@ def import_prefix(
 # run off the loop thread, and the engine keeps serving.
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
-_DIRECT = lambda fn: fn()  # noqa: E731 - run on this thread (no engine loop)
+ON_THIS_THREAD = lambda fn: fn()  # noqa: E731 - run on this thread (no engine loop)
 
 
 def _runs(ids: list[int], limit: int) -> list[tuple[int, int]]:
@@ -190,14 +190,14 @@ def _chunk_plan(cache: EngineCacheManager, ids: list[list[int]], chunk_bytes: in
     consecutive source pages of one cache tensor, so it is sent straight from the cache (no gather)."""
     plan = []
     for group, group_ids in enumerate(ids):
-        for ti, t in enumerate(_group_tensors(cache, group)):
+        for ti, t in enumerate(group_tensors(cache, group)):
             page_bytes = t[0].numel() * t.element_size()
             limit = max(1, chunk_bytes // max(page_bytes, 1))
             plan.extend((group, ti, a, b) for a, b in _runs(group_ids, limit))
     return plan
 
 
-def _rows_view(t: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+def rows_view(t: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
     """`t[ids]` as a zero-copy byte view when `ids` are consecutive, else None."""
     if t.is_contiguous() and ids and all(b == a + 1 for a, b in zip(ids, ids[1:])):
         return t[ids[0] : ids[-1] + 1].view(-1).view(torch.uint8)
@@ -205,7 +205,7 @@ def _rows_view(t: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
 
 
 def _chunk_nbytes(cache: EngineCacheManager, plan) -> list[int]:
-    tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
+    tensors = [group_tensors(cache, g) for g in range(len(cache.pools))]
     return [(b - a) * tensors[g][ti][0].numel() * tensors[g][ti].element_size() for g, ti, a, b in plan]
 
 
@@ -220,7 +220,7 @@ def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_toke
 
 
 def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, channel,
-                on_loop=_DIRECT, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0,
+                on_loop=ON_THIS_THREAD, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0,
                 corrupt: bool = False) -> int:
     """Stream the pages serving a `num_tokens` hit to the channel's peer. Returns payload bytes.
 
@@ -259,13 +259,13 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
         raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
         channel.isend(torch.tensor([raw.numel(), header.nbytes], dtype=torch.int64)).wait()
         channel.isend(raw).wait()
-        tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
+        tensors = [group_tensors(cache, g) for g in range(len(cache.pools))]
         digest = xxhash.xxh3_64()
         in_flight: list = []
         chunks: list[torch.Tensor] = []
         for group, ti, a, b in plan:
             t, rows = tensors[group][ti], ids[group][a:b]
-            chunk = _rows_view(t, rows)  # runs are consecutive by construction: no gather
+            chunk = rows_view(t, rows)  # runs are consecutive by construction: no gather
             if chunk is None:
                 chunk = t.index_select(0, torch.tensor(rows, dtype=torch.long)).view(-1).view(torch.uint8)
             chunks.append(chunk)
@@ -274,7 +274,7 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
                 chunk[0] ^= 0xFF
             in_flight.append(channel.isend(chunk))  # all posted at once: the wire never waits on us
         for chunk in chunks:  # checksummed while the sends are on the wire (pages are pinned)
-            digest.update(_host_bytes(chunk))
+            digest.update(host_bytes(chunk))
         for work in in_flight:
             work.wait()
         trailer = torch.frombuffer(bytearray(digest.hexdigest().encode()), dtype=torch.uint8)
@@ -284,133 +284,4 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
         on_loop(lambda: [cache.pools[g].free(found) for g, found in enumerate(blocks)])
 
 
-def recv_prefix(cache: EngineCacheManager, channel, on_loop=_DIRECT, tp_size: int = 1, tp_rank: int = 0) -> int:
-    """Receive a streamed prefix and register its pages. Returns pages stored; `TransferError` if refused
-    (the whole stream is still drained, so the channel stays usable)."""
-    header = _recv_header(channel)
-    prepared = on_loop(lambda: _prepare_receive(cache, header, tp_size, tp_rank))
-    landing = _Landing(cache, header, prepared)
-    posted = []  # every receive posted up front; chunk k is absorbed while k+1.. are arriving
-    for k, nbytes in enumerate(header.chunks):
-        buf, in_place = landing.target(k, nbytes)
-        posted.append((k, buf, in_place, channel.irecv(buf)))
-    for k, buf, in_place, work in posted:
-        work.wait()
-        landing.absorb(k, buf, in_place)
-    trailer = torch.empty(16, dtype=torch.uint8)
-    channel.irecv(trailer).wait()
-    if landing.error is None and trailer.numpy().tobytes().decode() != landing.digest.hexdigest():
-        landing.error = "transfer payload failed its checksum"
-    stored = on_loop(landing.register)
-    if landing.error is not None:
-        raise TransferError(landing.error)
-    return stored
-
-
-def _recv_header(channel) -> TransferHeader:
-    sizes = torch.empty(2, dtype=torch.int64)
-    channel.irecv(sizes).wait()
-    if int(sizes[0]) == 0:
-        raise TransferError("the sender no longer holds the prefix (evicted)")
-    raw = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    channel.irecv(raw).wait()
-    return TransferHeader.decode(raw.numpy().tobytes())
-
-
-def _prepare_receive(cache: EngineCacheManager, header: TransferHeader, tp_size: int, tp_rank: int):
-    """On the engine loop: why the transfer is refused (a str), or (plan, fresh rows, their pages)."""
-    expect = {
-        "model_fingerprint": cache.config.model_fingerprint, "tp_size": tp_size, "tp_rank": tp_rank,
-        "kv_block_size": cache.block_size, "mamba_block_size": cache.config.mamba_block_size,
-        "dtype": str(next(iter(cache.caches.kv.values()))[0].dtype),
-    }
-    for name, value in expect.items():
-        if getattr(header, name) != value:
-            return f"incompatible transfer: {name} is {getattr(header, name)!r}, here {value!r}"
-    if len(header.keys) != len(cache.pools):
-        return f"incompatible transfer: {len(header.keys)} groups, here {len(cache.pools)}"
-    plan = _plan_from_sizes(cache, [len(k) for k in header.keys], header.chunks)
-    if plan is None:
-        return "transfer chunk sizes do not match this replica's pages"
-    fresh = [[i for i, k in enumerate(keys) if bytes.fromhex(k) not in cache.pools[g].cached]
-             for g, keys in enumerate(header.keys)]
-    if not all(cache.pools[g].can_allocate(len(rows)) for g, rows in enumerate(fresh)):
-        return "no room in the destination pools"
-    # ascending block ids: consecutive free pages make runs that are received in place, no copy
-    pages = [sorted(cache.pools[g].allocate(len(rows)), key=lambda p: p.block_id) for g, rows in enumerate(fresh)]
-    return plan, fresh, pages
-
-
-class _Landing:
-    """Where a received prefix's chunks land (its fresh pages, in place when the rows are a run),
-    the running checksum, and registering the pages at the end; a refused transfer (`error`) is
-    drained into throwaway buffers."""
-
-    def __init__(self, cache: EngineCacheManager, header: TransferHeader, prepared) -> None:
-        self.cache = cache
-        self.header = header
-        self.error: str | None = prepared if isinstance(prepared, str) else None
-        self.plan, self.fresh, self.pages = (None, None, None) if self.error is not None else prepared
-        self.tensors = [_group_tensors(cache, g) for g in range(len(cache.pools))]
-        self.dst_of = []  # per group: page row -> destination block id (fresh rows only)
-        if self.error is None:
-            self.dst_of = [dict(zip(rows, (p.block_id for p in pg))) for rows, pg in zip(self.fresh, self.pages)]
-        self.digest = xxhash.xxh3_64()
-
-    def target(self, k: int, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """Where chunk k lands: straight into its destination pages if possible, else a buffer."""
-        if self.error is not None:
-            return torch.empty(nbytes, dtype=torch.uint8), False  # drained and dropped
-        group, ti, a, b = self.plan[k]
-        dst = [self.dst_of[group].get(i) for i in range(a, b)]
-        if None not in dst:
-            view = _rows_view(self.tensors[group][ti], dst)
-            if view is not None:
-                return view, True
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.tensors[group][ti].device), False  # beside
-
-    def absorb(self, k: int, buf: torch.Tensor, in_place: bool) -> None:
-        self.digest.update(_host_bytes(buf))
-        if self.error is not None or in_place:
-            return
-        group, ti, a, b = self.plan[k]
-        t = self.tensors[group][ti]
-        rows = [i for i in range(a, b) if i in self.dst_of[group]]
-        if rows:
-            data = buf.view(t.dtype).view(b - a, *t.shape[1:])
-            src = torch.tensor([i - a for i in rows], dtype=torch.long)
-            dst = torch.tensor([self.dst_of[group][i] for i in rows], dtype=torch.long)
-            t.index_copy_(0, dst, data.index_select(0, src))
-
-    def register(self) -> int:
-        """On the engine loop: cache the received pages under their hashes (none if refused), then
-        drop this transfer's references. Returns pages stored."""
-        stored = 0
-        for group, pg in enumerate(self.pages or []):
-            if self.error is None:
-                for row, page in zip(self.fresh[group], pg):
-                    self.cache.pools[group].cache_block(page, BlockHash(bytes.fromhex(self.header.keys[group][row])))
-                stored += len(pg)
-            self.cache.pools[group].free(pg)
-        return stored
-
-
-def _plan_from_sizes(cache: EngineCacheManager, counts: list[int], chunks: tuple[int, ...]):
-    """Recover the sender's chunk plan (rows per chunk) from its chunk sizes."""
-    plan, k = [], 0
-    for group, count in enumerate(counts):
-        for ti, t in enumerate(_group_tensors(cache, group)):
-            page_bytes = t[0].numel() * t.element_size()
-            a = 0
-            while a < count:
-                if k >= len(chunks) or chunks[k] % page_bytes:
-                    return None
-                b = a + chunks[k] // page_bytes
-                plan.append((group, ti, a, b))
-                a, k = b, k + 1
-            if a != count:
-                return None
-    return plan if k == len(chunks) else None
-
-
-__all__ = ["TransferError", "TransferHeader", "export_prefix", "import_prefix", "recv_prefix", "send_prefix"]
+__all__ = ["TransferError", "TransferHeader", "export_prefix", "import_prefix", "send_prefix"]

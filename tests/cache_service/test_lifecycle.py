@@ -10,9 +10,18 @@ from cache_service.lifecycle import settle
 from cache_service.specs import CacheLayout, parse_group_spec
 
 
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy_page(self, group_id: int, src: int, dst: int) -> None:
+        self.copies.append((group_id, src, dst))
+
+
 def make_groups(num_blocks: int = 40, num_pages: int = 12) -> GroupManagers:
     layout = CacheLayout((parse_group_spec("full:16"), parse_group_spec("mamba:64")))
-    return GroupManagers(HybridCoordinator(layout, EagleMode.OFF), [BlockPool(num_blocks, 0), BlockPool(num_pages, 1)])
+    return GroupManagers(HybridCoordinator(layout, EagleMode.OFF), [BlockPool(num_blocks, 0), BlockPool(num_pages, 1)],
+                         RecordingBackend())
 
 
 def admitted(groups: GroupManagers, n: int = 200, decoding: bool = False) -> RequestBlockHashes:
@@ -29,8 +38,12 @@ def test_publish_then_snapshot_the_working_state_and_keep_the_boundaries_asked_f
     full, mamba = groups.managers
     mamba.track_boundary("r", 64, mamba.working_page("r"))
     mamba.track_boundary("r", 128, mamba.working_page("r"))
+    (_, boundary_128), = [(pos, page) for pos, page in mamba.boundary_states("r") if pos == 128]
+    num_copies = len(groups.managers[1].backend.copies)
     stored = settle(groups, "r", hashes, [200, 200], working_state_at=192, keep={128, 100})
     assert stored == [12, 2]  # 12 full blocks of 200 tokens; the state at 192 and the boundary at 128
+    copies = groups.managers[1].backend.copies[num_copies:]  # each snapshot copies its source page
+    assert [(g, src) for g, src, _ in copies] == [(1, mamba.working_page("r")), (1, boundary_128)]
     assert set(mamba.pool.cached) == {hashes.prefix_hash(192), hashes.prefix_hash(128)}
     assert len(full.pool.cached) == 12 and mamba.holds("r")
 

@@ -11,8 +11,9 @@ import torch.multiprocessing as mp
 from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling import SamplingParams
-from workers.transfer import TransferError, export_prefix, import_prefix, recv_prefix, send_prefix
+from workers.transfer import TransferError, export_prefix, import_prefix, send_prefix
 from workers.transfer_channel import WorldChannel
+from workers.transfer_recv import recv_prefix
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
