@@ -234,6 +234,9 @@ def test_published_nemotron3_field_set_loads_and_unknown_fields_still_refused(tm
     assert raw["norm_eps"] == 1e-05 and raw["partial_rotary_factor"] == 1.0 and raw["rope_theta"] == 10000
     model = load_model(path, kernels="torch")
     assert model.config.layer_norm_epsilon == raw["layer_norm_epsilon"] and model.config.rope_theta is None
+    # ignored means ignored: other values change nothing (a loader reading norm_eps or rotating would)
+    _write(path, {**raw, "norm_eps": 0.25, "partial_rotary_factor": 0.5, "rope_theta": 500})
+    assert torch.equal(_logits(load_model(path, kernels="torch")), _logits(model))
     _write(path, {**raw, "norm_epsilon": 1e-6})
     with pytest.raises(ConfigError, match=r"unknown nemotron_h config field\(s\) norm_epsilon"):
         load_model(path, kernels="torch")
