@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from cluster.http.metrics import Metrics
 from cluster.http.protocol import SamplingFields
-from cluster.text.completion_state import CompletionState, prompt_tokens_details
+from cluster.text.completion_state import CompletionState
 from workers.engine.request import RequestOutput
 from workers.engine_runner import RequestStream, StreamEnd
 
@@ -32,12 +32,6 @@ class SseResponse(StreamingResponse):
 
 def sse_event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": len(out.token_ids),
-            "total_tokens": out.num_prompt_tokens + len(out.token_ids),
-            "prompt_tokens_details": prompt_tokens_details(out.num_cached_tokens, out.num_computed_prompt_tokens)}
 
 
 def with_usage(body: SamplingFields, state: CompletionState, head: dict, events: list[dict],
