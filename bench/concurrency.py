@@ -22,7 +22,7 @@ def measure_concurrency(model, levels: list[int], prompts: list[list[int]], num_
                         num_spec_tokens: int = 0, eagle: str = "lossless") -> dict:
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     if not levels or min(levels) < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
@@ -38,7 +38,7 @@ def measure_concurrency(model, levels: list[int], prompts: list[list[int]], num_
     )
     engine = LLMEngine(model, config)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[: max(levels)], SamplingParams(max_tokens=4, ignore_eos=True),
+    engine.generate(prompts[: max(levels)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                     cache_salt="warmup")  # one-time init costs at the largest batch shapes
     seconds = dict.fromkeys(levels, 0.0)
     cpu_seconds = dict.fromkeys(levels, 0.0)

@@ -238,7 +238,7 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
 
     from cache_service.ids import new_request_id
     from cluster.frontdoor.routing_client import RoutingClient
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
     from workers.replica_messages import GenerateMsg
 
     name = f"plane-resync-{kill_midway}-{os.getpid()}"
@@ -261,7 +261,8 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
             out["first_resync"] = f"failed as expected ({type(exc).__name__})"
         decided = 0
         for tokens, salt in prompts[:50]:
-            msg = GenerateMsg(new_request_id(), tuple(tokens), SamplingParams(), salt, client.hashes(tokens, salt))
+            msg = GenerateMsg(new_request_id(), tuple(tokens), SamplingParams(temperature=0.0), salt,
+                              client.hashes(tokens, salt))
             target, _ = client.route(msg, {"sim-0": 0})
             decided += target == "sim-0"
         out["decisions_while_down"] = decided

@@ -33,9 +33,9 @@ def _engine(model, **kw):
 
 
 def measure_ttft(model, prompt_len: int, repeats: int, eagle: str, k: int, max_model_len: int) -> dict:
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     warmup = _engine(model, num_spec_tokens=k, eagle_mode=eagle, max_model_len=max_model_len,
                      cache_memory_bytes=512 * 2**20)
     warmup.generate([[r % model.config.vocab_size for r in range(prompt_len)]], params)  # one-time init costs
@@ -67,13 +67,14 @@ def decode_prompts(num_prompts: int, prompt_len: int, vocab_size: int) -> list[l
 
 def measure_decode(model, k: int, num_tokens: int, eagle: str, prompts: list[list[int]], repeats: int) -> dict:
     """Greedy decode tok/s of k=0 vs k=k on the same prompts, interleaved; outputs must match."""
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     engines = {0: _engine(model, num_spec_tokens=0, max_model_len=4096),
                k: _engine(model, num_spec_tokens=k, eagle_mode=eagle, max_model_len=4096)}
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     for engine in engines.values():  # warm-up: one-time init costs
-        engine.generate([prompts[0][:32]], SamplingParams(max_tokens=8, ignore_eos=True), cache_salt="warmup")
+        engine.generate([prompts[0][:32]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        cache_salt="warmup")
     decode_s, num_decoded = {0: 0.0, k: 0.0}, {0: 0, k: 0}
     proposed = accepted = 0
     outputs: dict[int, dict[int, list[int]]] = {0: {}, k: {}}

@@ -47,6 +47,6 @@ class Env:
     cold: list[list[int]]
 
     def params(self):
-        from workers.engine.sampling import SamplingParams
+        from workers.engine.sampling_params import SamplingParams
 
-        return SamplingParams(max_tokens=self.config.max_tokens, ignore_eos=True)
+        return SamplingParams(temperature=0.0, max_tokens=self.config.max_tokens, ignore_eos=True)

@@ -25,9 +25,10 @@ class Probe:
 
 
 def probe_params(kind: str):
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
-    sampled = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 7}, "unseeded": {"temperature": 1.0}}[kind]
+    sampled = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 1.0, "seed": 7},
+               "unseeded": {"temperature": 1.0}}[kind]
     return SamplingParams(max_tokens=PROBE_TOKENS, ignore_eos=True, **sampled)
 
 

@@ -72,7 +72,7 @@ def make_engine(model, concurrency: int, k: int, max_tokens: int, graphs: bool =
 
 def steady_decode(model, concurrency: int, k: int, num_steps: int, seed: int, graphs: bool = False, **overrides):
     """An engine whose next `num_steps` steps are decode-only steps of `concurrency` requests."""
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     max_tokens = num_steps * (k + 1) + 16  # nobody finishes inside the measured window
     engine = make_engine(model, concurrency, k, max_tokens, graphs, **overrides)

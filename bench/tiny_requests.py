@@ -15,12 +15,12 @@ def tiny_requests(model_dir: str, num_requests: int, concurrency: int, rounds: i
     from cluster.frontdoor.backend import ClusterBackend
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
     from workers.engine_runner import EngineRunner
 
     engine = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20,
                           max_num_seqs=concurrency)
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 250) for _ in range(16)] for _ in range(num_requests)]
 

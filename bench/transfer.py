@@ -34,7 +34,7 @@ def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int,
     from cache_service.block_hash import RequestBlockHashes
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
     from workers.transfer import send_prefix
     from workers.transfer_recv import recv_prefix
 
@@ -46,7 +46,7 @@ def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int,
     hit = (prompt_len - 1) // engine.cache.alignment * engine.cache.alignment
     size = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
-        engine.generate([prompt], SamplingParams(max_tokens=1))
+        engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         from workers.transfer import export_prefix
 
         size[0] = export_prefix(engine.cache, hashes, hit)[1].numel()

@@ -56,9 +56,9 @@ class FrontDoor:
 
     def generate_all(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[int, ...]]:
         """Serve `prompts` at once through this front door (tests, benchmarks): their outputs."""
-        from workers.engine.sampling import SamplingParams
+        from workers.engine.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         streams = [self.backend.submit(p, params) for p in prompts]
         return [tuple(list(s)[-1].token_ids) for s in streams]
 

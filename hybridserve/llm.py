@@ -128,7 +128,7 @@ class LLM:
         limit = self.engine.config.max_model_len
         states: dict[str, tuple[int, CompletionState]] = {}
         for n, ((_, ids), params) in enumerate(zip(encoded, params_list)):
-            if params.stop_strings and self.text.tokenizer is None:
+            if params.stop and self.text.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: stop strings need text; use stop_token_ids")
             max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
             if len(ids) + max_tokens > limit:
@@ -136,10 +136,10 @@ class LLM:
                                  f"max_model_len {limit}")
             seeded = params if params.seed is not None or self.seed is None else \
                 _with_seed(params, self.seed + n)
-            engine_params = seeded.to_engine(max(1, max_tokens), self.text.stop_token_ids)
+            engine_params = seeded.with_max_tokens(max(1, max_tokens)).stopping_at(self.text.stop_token_ids)
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(ids, engine_params, request_id=rid)
-            states[rid] = n, CompletionState(self.text.tokenizer, params.stop_strings, params.stop_token_ids or (),
+            states[rid] = n, CompletionState(self.text.tokenizer, list(params.stop), params.stop_token_ids,
                                              params.include_stop_str_in_output, params.skip_special_tokens)
         pending = set(states)
         while pending:

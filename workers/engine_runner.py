@@ -33,7 +33,7 @@ from cache_service.ids import new_request_id
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, EngineTimeoutError, ServerOverloadedError
 from workers.engine.request import RequestOutput
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
     from workers.model.errors import ModelError
 
     try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from cache_service.block_hash import BlockHash
 from workers.engine.request import RequestOutput
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from workers.model.forward_batch import ForwardCounts

@@ -51,7 +51,7 @@ from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new
 from cluster.messages import TransferMsg
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.engine_runner import RequestStream
 from workers.replica import TransferReplica
 from workers.replica_messages import GenerateMsg

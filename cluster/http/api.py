@@ -17,7 +17,7 @@ from cluster.text.completion_state import CompletionState
 from cluster.text.text_model import TextModel
 from cluster.text.tokenizer import Tokenizer
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 VERSION = "0.1.0"
 

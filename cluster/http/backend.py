@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from cluster.http.metrics import Metrics
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
     from workers.engine_runner import RequestStream
 
 

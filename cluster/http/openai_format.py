@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from cluster.http.protocol import SamplingFields
 from cluster.text.tokenizer import Tokenizer
-from workers.engine.sampling import SamplingParams, TokenLogprobs
+from workers.engine.sampling import TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
@@ -21,14 +22,13 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         value = getattr(body, name)
         return value if value is not None else sampling_defaults.get(name, fallback)
 
-    stops = list(body.stop_token_ids or [])
-    if not body.ignore_eos:
-        stops += [t for t in eos_token_ids if t not in stops]
     return SamplingParams(
         max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
-        top_k=max(0, pick("top_k", 0)), seed=body.seed, stop_token_ids=tuple(stops), ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=body.min_tokens, logprobs=logprobs)
+        top_k=pick("top_k", 0), seed=body.seed, stop=tuple(body.stop_strings),
+        stop_token_ids=tuple(body.stop_token_ids or ()), include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
+        logprobs=logprobs, skip_special_tokens=body.skip_special_tokens).stopping_at(eos_token_ids)
 
 
 def _token_bytes(tokenizer: Tokenizer | None, token_id: int) -> list[int]:

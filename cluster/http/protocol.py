@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.text.chat import Role
-from workers.engine.sampling import MAX_LOGPROBS
+from workers.engine.sampling_params import MAX_LOGPROBS
 
 MAX_TOKENS_LIMIT = 2**20  # schema bound; the backend's max_model_len is the real one
 TokenId = Annotated[int, Field(ge=0)]

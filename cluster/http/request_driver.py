@@ -18,7 +18,7 @@ from cluster.http.metrics import Metrics
 from cluster.http.streaming import SseResponse, follow, sse_event, stream_error
 from cluster.text.completion_state import CompletionState, Increment
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.engine_runner import RequestStream, StreamEnd
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.config import load_config
 from tests.conftest import make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
 
@@ -41,7 +41,7 @@ def test_300_concurrent_streams_are_queued_served_and_nobody_is_purged(cluster):
     import ray
 
     backend, autoscaler, config = cluster
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [make_prompt(48 + i % 5, 200 + i) for i in range(300)]
     streams = [backend.submit(p, params) for p in prompts]  # none refused: queued
     # while 300 streams are open (150 per replica, beyond the old 64 threads), control calls answer
@@ -92,7 +92,8 @@ def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_withi
         watcher.start()
         victim = backend.replica_ids[0]
         actor = backend.replicas.get(victim).actor
-        streams = [backend.submit(make_prompt(64, 300 + i), SamplingParams(max_tokens=8, ignore_eos=True))
+        streams = [backend.submit(make_prompt(64, 300 + i), SamplingParams(temperature=0.0, max_tokens=8,
+                                                                           ignore_eos=True))
                    for i in range(12)]
         ray.get(actor.stall_health_checks.remote())
         deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(400)]
 
@@ -40,7 +40,7 @@ def test_a_second_front_door_attaches_by_name_and_leaving_stops_nothing(cluster,
     from cluster.frontdoor.backend import ClusterBackend
 
     owner, config = cluster
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = make_prompt(400, 31)
     cold, holder = owner.generate(prompt, params)
     other = ClusterBackend(tiny_dir, ENGINE, config)  # a restarted driver would do the same
@@ -60,7 +60,8 @@ def test_killing_one_of_two_front_doors_mid_load_loses_none_of_the_others_reques
     owner, config = cluster
     a, b = start_frontdoors(2, tiny_dir, ENGINE, config)
     prompts = [make_prompt(80, 500 + i) for i in range(16)]
-    cold = [tuple(owner.generate(p, SamplingParams(max_tokens=16, ignore_eos=True), cache_salt="cold")[0].token_ids)
+    cold = [tuple(owner.generate(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                                 cache_salt="cold")[0].token_ids)
             for p in prompts]
     doomed = a.generate_all.remote(prompts, 16)
     survivor = b.generate_all.remote(prompts, 16)
@@ -77,5 +78,6 @@ def test_killing_one_of_two_front_doors_mid_load_loses_none_of_the_others_reques
 def test_requests_on_an_idle_cluster_spread_over_both_replicas(cluster):
     """Regression: ties broke by replica id, so an idle cluster sent everything to replica-0."""
     owner, _ = cluster
-    served = [owner.generate(make_prompt(40, 700 + i), SamplingParams(max_tokens=1))[1] for i in range(12)]
+    served = [owner.generate(make_prompt(40, 700 + i), SamplingParams(temperature=0.0,
+                                                                      max_tokens=1))[1] for i in range(12)]
     assert set(served) == set(owner.replica_ids)

@@ -17,7 +17,7 @@ from cache_service.block_hash import RequestBlockHashes
 from cache_service.service import CacheService
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.transfer_channel import PairChannel, StoreHost, channel_namespace
 
 GROUPS = ["full:16", "mamba:64", "draft:16"]
@@ -103,7 +103,7 @@ def backend(tiny_dir):
 def test_through_the_cluster_tenants_never_hit_each_other_and_routing_ignores_them(backend):
     import ray
 
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = make_prompt(600, 9)
 
     def decision_for_b():

@@ -18,7 +18,7 @@ from bench.fault_doubles import kill_cache_service
 from cluster.config import load_config
 from tests.cluster.test_frontend_http import serve_app
 from tests.conftest import make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
 
@@ -102,7 +102,8 @@ def test_resend_routes_to_holder_and_forced_replica_hits_via_transfer(served):
     # which replica holds it, and force the other one (pages move first, then a normal local hit)
     holder = max(backend.replica_ids, key=lambda r: backend.service_stats()["replicas"][r]["entries"][1])
     other = next(r for r in backend.replica_ids if r != holder)
-    forced, served_by = backend.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=other)
+    forced, served_by = backend.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                         replica_id=other)
     assert served_by == other and backend.counters["transfers"] == before["transfers"] + 1
     assert list(forced.token_ids) == cold and forced.num_cached_tokens == 576
     assert forced.num_computed_prompt_tokens == 600 - 576  # the moved pages were used, not recomputed
@@ -172,14 +173,16 @@ def test_autoscaler_adds_a_warmed_replica_and_removes_it_when_idle(served):
         # copies the hottest `warm_prefixes`, and a prompt seen once ties with the 6 streams below
         for _ in range(3):
             assert _stream(url, hot)[0] == cold
-        streams = [backend.submit(make_prompt(400, 80 + i), SamplingParams(max_tokens=32, ignore_eos=True))
+        streams = [backend.submit(make_prompt(400, 80 + i), SamplingParams(temperature=0.0, max_tokens=32,
+                                                                           ignore_eos=True))
                    for i in range(6)]
         event = scaler.step()  # 6 in flight on 2 replicas > 2.0 per replica
         assert event.action is ScaleAction.UP and event.reason is ScaleReason.QUEUE_DEPTH and event.warmed >= 1
         for s in streams:
             list(s)
         new = event.replica_id
-        warm, served_by = backend.generate(hot, SamplingParams(max_tokens=8, ignore_eos=True), replica_id=new)
+        warm, served_by = backend.generate(hot, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                           replica_id=new)
         assert served_by == new and warm.num_cached_tokens == 640 and list(warm.token_ids) == cold, backend.counters
         deadline = time.monotonic() + 60  # the first idle step starts the 0.5 s idle period; wait it out
         while (down := scaler.step()).action is ScaleAction.NONE:

@@ -9,11 +9,11 @@ import pytest
 from bench.fault_doubles import kill_cache_service, kill_replica
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
-PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
 
 
@@ -57,7 +57,7 @@ def test_replica_killed_under_load_loses_no_request_and_outputs_match(ray_sessio
     backend = _backend(tiny_dir)
     try:
         prompts = [make_prompt(300 + 40 * i, 20 + i) for i in range(6)]
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         cold = [backend.generate(p, params)[0].token_ids for p in prompts]
         streams = [backend.submit(p, params) for p in prompts]
         # the victim must hold streams, so a stream (not only a health check) finds the death: wait

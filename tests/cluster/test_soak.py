@@ -12,7 +12,7 @@ from cluster.http.app import create_app
 from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import ServerOverloadedError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.engine_runner import EngineRunner
 
 MB = 2**20
@@ -67,7 +67,7 @@ def test_full_cluster_backend_answers_429_with_retry_after(tiny_dir):
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * MB)
     backend = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=1, max_inflight=2))
     try:
-        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         streams = [backend.submit(make_prompt(64, s), long) for s in (1, 2)]
         with pytest.raises(ServerOverloadedError) as exc:
             backend.submit(make_prompt(64, 3), long)

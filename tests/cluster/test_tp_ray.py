@@ -8,12 +8,12 @@ import torch
 from tests.conftest import make_engine
 from tests.model.tp_helpers import TRAINED, code_prompts
 from workers.engine.config import EngineConfig
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_model
 from workers.tp_worker import create_tp_engine
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
-PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ memory (evicting by expected value), stays exact on hits, and reports both on /m
 
 from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 def test_retained_checkpoints_stay_within_the_byte_budget(tiny_model):
@@ -13,7 +13,7 @@ def test_retained_checkpoints_stay_within_the_byte_budget(tiny_model):
                          checkpoint_memory_fraction=3 * page / memory + 1e-9)  # room for 3 checkpoints
     stats = engine.stats()
     assert stats["max_retained_checkpoint_bytes"] == 3 * page
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [make_prompt(300, 40 + i) for i in range(3)]
     cold = [engine.generate([p], params)[0] for p in prompts]  # dense: 4 snapshots each, 12 > 3
     stats = engine.stats()

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.decode_graphs import (
     DecodeGraphs,
     EagerReplay,
@@ -163,7 +163,7 @@ def test_draft_graph_step_equals_the_eager_mtp_forward(tiny_model):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_engine_with_graphs_equals_eager_and_warm_equals_cold(tiny_model, k):
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [make_prompt(100 + 7 * i, 60 + i) for i in range(3)]  # past the 64-token alignment: hits
     eager = make_engine(tiny_model, num_spec_tokens=0).generate(prompts, params)
     engine = make_engine(tiny_model, num_spec_tokens=k, graph_backend=EagerReplay())

@@ -8,10 +8,10 @@ import pytest
 
 from tests.conftest import make_engine, make_prompt
 from workers.engine.errors import EngineDeadError, EngineTimeoutError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.engine_runner import EngineRunner
 
-PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_a_failing_inbox_item_goes_to_its_caller_and_the_loop_serves_on(engine):
 
 def test_a_step_that_raises_kills_the_loop_visibly(engine):
     runner = EngineRunner(engine)
-    waiting = runner.submit(make_prompt(30, 2), SamplingParams(max_tokens=500, ignore_eos=True))
+    waiting = runner.submit(make_prompt(30, 2), SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
     next(iter(waiting))  # it is running
 
     def broken_step():

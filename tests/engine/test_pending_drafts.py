@@ -7,12 +7,12 @@ from bench.host_counters import HostCounter
 from tests.conftest import make_engine, make_prompt
 from workers.engine.drafter import DeviceDrafts, PendingDrafts
 from workers.engine.request import Request
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_inputs import StepLogits
 
 
 def _req(rid: str, num_drafts: int) -> Request:
-    req = Request(rid, [1, 2, 3], SamplingParams(), hashes=None)
+    req = Request(rid, [1, 2, 3], SamplingParams(temperature=0.0), hashes=None)
     req.num_draft_tokens = num_drafts
     return req
 
@@ -34,7 +34,7 @@ def test_read_back_is_one_copy_and_delivers_each_request_its_drafts():
 
 def test_speculative_engine_reads_the_device_once_per_decode_step(tiny_model):
     """k=3 with the MTP head: after the prefill every step is one copy; outputs equal k=0."""
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [make_prompt(40, s) for s in (1, 2, 3)]
     plain = make_engine(tiny_model, num_spec_tokens=0).generate(prompts, params)
     engine = make_engine(tiny_model, num_spec_tokens=3)

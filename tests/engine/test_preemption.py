@@ -13,7 +13,7 @@ from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
 from workers.engine.engine import LLMEngine
 from workers.engine.request import RequestOutput
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 def run_all(engine: LLMEngine, prompts, params) -> tuple[dict[str, RequestOutput], list[str]]:
@@ -54,7 +54,7 @@ def upfront_reservation(engine: LLMEngine, prompts, params) -> tuple[int, int]:
 def test_oversubscribed_requests_all_complete_exactly_with_preemptions(tiny_model, k, num_requests):
     rng = random.Random(k)
     prompts = [make_prompt(rng.randrange(24, 100), 500 + i) for i in range(num_requests)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     solo_engine = make_engine(tiny_model, num_spec_tokens=0, enable_prefix_caching=False)
     solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
     blocks, pages = (110, 40) if k == 0 else (31, 20)
@@ -79,7 +79,7 @@ def test_oversubscribed_requests_all_complete_exactly_with_preemptions(tiny_mode
 def test_preempted_request_resumes_with_a_hit(tiny_model):
     """A request preempted mid-decode resumes from its published prefix (a hit), not from 0."""
     engine = make_engine(tiny_model, num_spec_tokens=0, chunk_size=64)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (solo,) = make_engine(tiny_model, num_spec_tokens=0).generate([make_prompt(200, 7)], params)
     rid = engine.add_request(make_prompt(200, 7), params)
     while not engine.requests[rid].output_token_ids:
@@ -98,12 +98,12 @@ def test_preempted_request_resumes_with_a_hit(tiny_model):
 
 def test_short_request_behind_a_long_one_that_does_not_fit_gets_its_first_token_first(tiny_model):
     engine = sized_engine(tiny_model, 80, 10, 0, max_model_len=1100)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     hog = engine.add_request(make_prompt(800, 1), params)
     while engine.requests[hog].is_prefilling:
         engine.step()
-    long = engine.add_request(make_prompt(1000, 2), SamplingParams(max_tokens=4, ignore_eos=True))
-    short = engine.add_request(make_prompt(20, 3), SamplingParams(max_tokens=4, ignore_eos=True))
+    long = engine.add_request(make_prompt(1000, 2), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    short = engine.add_request(make_prompt(20, 3), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     # the long request's first chunk (512 tokens = 32 blocks) does not fit beside the hog
     assert engine.cache.full.pool.num_free_blocks < 32
     first_token: dict[str, int] = {}
@@ -122,13 +122,13 @@ def test_short_request_behind_a_long_one_that_does_not_fit_gets_its_first_token_
     # blocking would hold it back until the hog finished and the long one was admitted)
     assert first_token[short] < finished[hog] < first_token[long]
     solo = make_engine(tiny_model, num_spec_tokens=0, max_model_len=1100)
-    (expect,) = solo.generate([make_prompt(1000, 2)], SamplingParams(max_tokens=4, ignore_eos=True))
+    (expect,) = solo.generate([make_prompt(1000, 2)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert outs[long].token_ids == expect.token_ids and len(outs[hog].token_ids) == 24
 
 
 def test_token_budget_mixes_decodes_first_and_cuts_chunks_at_alignment(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=0, chunk_size=512, max_num_batched_tokens=200)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     a = engine.add_request(make_prompt(100, 1), params)
     while engine.requests[a].is_prefilling:  # chunks [0, 64) (a checkpoint), [64, 100)
         engine.step()

@@ -4,7 +4,7 @@ request sends exactly (prompt - hit) prompt tokens through the model's forward (
 import pytest
 
 from tests.conftest import make_engine, make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 LENGTHS = [1, 17, 63, 64, 65, 130, 257, 400]
 # Engine layout: full:16 + mamba:64 (+ draft:16 with MTP), so A = lcm(16, 64) = 64. Identical resend of
@@ -30,7 +30,7 @@ CASES = [  # (num_spec_tokens, eagle_mode, retention): every EAGLE mode, with an
 def test_warm_equals_cold_hits_by_hand_and_computes_only_the_rest(tiny_model, k, eagle, retention):
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, retention=retention)
     expected = HIT_DROP if (k and eagle == "drop") else HIT_NO_DROP
-    params = SamplingParams(max_tokens=6)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
     for n in LENGTHS:
         prompt = make_prompt(n, seed=n)
         (cold,) = engine.generate([prompt], params)
@@ -54,8 +54,8 @@ def test_warm_equals_cold_hits_by_hand_and_computes_only_the_rest(tiny_model, k,
 def test_prefix_cache_off_never_hits(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=0, enable_prefix_caching=False)
     prompt = make_prompt(300, 3)
-    a, b = engine.generate([prompt, prompt], SamplingParams(max_tokens=4))
-    (c,) = engine.generate([prompt], SamplingParams(max_tokens=4))
+    a, b = engine.generate([prompt, prompt], SamplingParams(temperature=0.0, max_tokens=4))
+    (c,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
     assert a.num_cached_tokens == b.num_cached_tokens == c.num_cached_tokens == 0
     assert a.token_ids == b.token_ids == c.token_ids
 
@@ -64,37 +64,38 @@ def test_prefix_cache_off_never_hits(tiny_model):
 def test_second_chat_turn_hits_at_the_first_turns_final_boundary(tiny_model, k, eagle):
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
     first = make_prompt(170, 11)
-    (turn1,) = engine.generate([first], SamplingParams(max_tokens=40, ignore_eos=True))
+    (turn1,) = engine.generate([first], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     computed = len(first) + len(turn1.token_ids) - 1
     final = computed // 64 * 64
     second = first + list(turn1.token_ids) + make_prompt(30, 12)
-    (turn2,) = engine.generate([second], SamplingParams(max_tokens=8))
+    (turn2,) = engine.generate([second], SamplingParams(temperature=0.0, max_tokens=8))
     # drop (lookahead): the draft block [final, final + 16) proves the successor token when turn 1
     # computed past it; otherwise the hit lands one alignment unit (64) below
     expected = final - 64 if (k and eagle == "drop" and final + 16 > computed) else final
     assert final > 170 and turn2.num_cached_tokens == expected
     fresh = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
-    (cold,) = fresh.generate([second], SamplingParams(max_tokens=8))
+    (cold,) = fresh.generate([second], SamplingParams(temperature=0.0, max_tokens=8))
     assert turn2.token_ids == cold.token_ids
 
 
 def test_shared_system_prompt_junction(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless")
     system = make_prompt(300, 21)
-    outs = [engine.generate([system + make_prompt(40, 30 + i)], SamplingParams(max_tokens=4))[0] for i in range(3)]
+    outs = [engine.generate([system + make_prompt(40, 30 + i)], SamplingParams(temperature=0.0,
+                                                                               max_tokens=4))[0] for i in range(3)]
     assert outs[0].num_cached_tokens == 0
     assert outs[2].num_cached_tokens == 256  # the junction snapshot taken by the second request
     fresh = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="lossless")
-    (cold,) = fresh.generate([system + make_prompt(40, 32)], SamplingParams(max_tokens=4))
+    (cold,) = fresh.generate([system + make_prompt(40, 32)], SamplingParams(temperature=0.0, max_tokens=4))
     assert cold.token_ids == outs[2].token_ids
 
 
 def test_tenants_do_not_share_prefixes(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=0)
     prompt = make_prompt(300, 5)
-    engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="a")
-    (other,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="b")
-    (same,) = engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="a")
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), cache_salt="a")
+    (other,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), cache_salt="b")
+    (same,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), cache_salt="a")
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 256
 
 
@@ -104,7 +105,7 @@ def test_admission_never_evicts_the_pages_it_restores_from(tiny_model, eagle):
     fetching the hit's Mamba page, so a hit page first in the LRU queue was recycled mid-admission."""
     engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle)
     prompt = make_prompt(500, 31)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     (cold,) = engine.generate([prompt], params)
     for group in (1, 2):  # the hit's Mamba page and (lossless) draft block: next in line for eviction
         pool = engine.cache.pools[group]
@@ -135,7 +136,7 @@ DROP_HITS = [
 @pytest.mark.parametrize("rule", ["lookahead", "alignment"])
 def test_drop_hits_by_hand_and_warm_equals_cold(tiny_model, rule):
     engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode="drop", drop_rule=rule)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for n, lookahead, alignment in DROP_HITS:
         prompt = make_prompt(n, seed=1000 + n)
         (cold,) = engine.generate([prompt], params)

@@ -5,7 +5,7 @@ import pytest
 from tests.conftest import make_engine, make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError, InvalidRequestError
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_bad_prompts(engine, prompt, message):
 
 @pytest.mark.parametrize(
     "kw", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5},
-           {"top_k": -1}, {"seed": "x"}, {"stop_token_ids": (-1,)}],
+           {"top_k": -2}, {"seed": "x"}, {"stop_token_ids": (-1,)}],
 )
 def test_bad_sampling_params(kw):
     with pytest.raises(InvalidRequestError):
@@ -41,15 +41,16 @@ def test_bad_engine_config(kw):
 
 
 def test_max_tokens_is_capped_by_max_model_len(engine):
-    (out,) = engine.generate([make_prompt(500, 1)], SamplingParams(max_tokens=100, ignore_eos=True))
+    (out,) = engine.generate([make_prompt(500, 1)], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
 
 
 def test_stop_tokens_and_seeded_sampling(engine):
     prompt = make_prompt(40, 2)
-    (greedy,) = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    (greedy,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     stop = greedy.token_ids[3]
-    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=10, stop_token_ids=(stop,), ignore_eos=True))
+    (stopped,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop,),
+                                                          ignore_eos=True))
     assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
     assert stopped.finish_reason == "stop"
     sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
@@ -60,7 +61,7 @@ def test_stop_tokens_and_seeded_sampling(engine):
 def test_batched_requests_equal_single_runs(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=3, max_num_seqs=4, chunk_size=64)
     prompts = [make_prompt(n, 60 + n) for n in (10, 100, 333, 64)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     together = engine.generate(prompts, params)
     alone = [make_engine(tiny_model, num_spec_tokens=3).generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
@@ -74,7 +75,7 @@ def test_pool_pressure_evicts_and_stays_exact(tiny_model):
 
     sink = EventSink("r0")
     engine = make_engine(tiny_model, num_spec_tokens=3, cache_memory_bytes=14 * 2**20, max_model_len=1024, events=sink)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [make_prompt(700, 80 + i) for i in range(6)]
     first = [engine.generate([p], params)[0] for p in prompts]
     again = [engine.generate([p], params)[0] for p in prompts]
@@ -104,7 +105,7 @@ def test_generate_cli(tiny_dir, capsys):
 
 def test_abort_frees_everything_and_others_continue(tiny_model):
     engine = make_engine(tiny_model, num_spec_tokens=3, chunk_size=64)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     a = engine.add_request(make_prompt(300, 1), params)
     b = engine.add_request(make_prompt(50, 2), params)
     engine.step()

@@ -8,27 +8,29 @@ import pytest
 import torch
 
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
+from workers.engine.sampling import Sampler, token_logprobs
+from workers.engine.sampling_params import SamplingParams
 
 
 def test_repetition_presence_frequency_exact():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.5])
-    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     shaped = Sampler(p).shape(logits, prompt_ids=[0, 1], output_ids=[3, 3, 2])
     expected = torch.tensor([2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 - 0.5, 1.5])
     assert torch.allclose(shaped, expected)
     assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, 1.5]))  # the input is not modified
     # greedy choice follows the shaped logits: 3 wins raw, 4 wins shaped
-    assert Sampler(SamplingParams()).sample(logits) == 3
+    assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == 3
     assert Sampler(p).sample(logits, [0, 1], [3, 3, 2]) == 4
 
 
 def test_min_tokens_bans_stop_and_eos_until_reached():
     logits = torch.tensor([0.0, 0.0, 9.0, 8.0, 1.0])
-    s = Sampler(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(3,)), eos_token_ids=(2,))
+    s = Sampler(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2, stop_token_ids=(3,)), eos_token_ids=(2,))
     assert s.sample(logits, [], [4]) == 4  # 2 (EOS) and 3 (stop) banned before 2 outputs
     assert s.sample(logits, [], [4, 4]) == 2
-    assert Sampler(SamplingParams(min_tokens=2, ignore_eos=True)).sample(logits, [], []) == 2  # no eos passed
+    assert Sampler(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)).sample(logits, [],
+                                                                                          []) == 2  # no eos passed
 
 
 def test_logprobs_are_the_raw_log_softmax():

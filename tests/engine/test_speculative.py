@@ -3,13 +3,13 @@
 import pytest
 
 from tests.conftest import make_engine, make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("eagle", ["drop", "lossless"])
 def test_mtp_speculation_equals_plain_greedy(tiny_model, eagle):
     prompts = [make_prompt(n, 40 + n) for n in (5, 70, 200)]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain = make_engine(tiny_model, num_spec_tokens=0).generate(prompts, params)
     spec = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -43,7 +43,7 @@ class ForcedDrafter:
 def test_forced_acceptance_of_0_to_k_tokens_with_mamba_rollback(tiny_model):
     k = 3
     prompt = make_prompt(90, 7)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     (ref,) = make_engine(tiny_model, num_spec_tokens=0).generate([prompt], params)
     drafter = ForcedDrafter(list(ref.token_ids), k, 512)
     engine = make_engine(tiny_model, num_spec_tokens=k, drafter=drafter)
@@ -68,7 +68,7 @@ def test_sampled_requests_feed_the_draft_group_so_their_prefixes_hit(tiny_model,
     Alignment 64: a 185-token prompt replays from 128; with its 24 outputs the final boundary is 192."""
     prompt = make_prompt(185, 11)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engine = make_engine(tiny_model, num_spec_tokens=3, eagle_mode=eagle)
     assert engine.cache.alignment == 64
     (cold,) = engine.generate([prompt], sampled)

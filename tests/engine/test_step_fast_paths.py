@@ -11,7 +11,8 @@ import torch
 from bench.host_counters import HostCounter
 from tests.conftest import make_engine, make_prompt
 from workers.engine.request import Request
-from workers.engine.sampling import Sampler, SamplingParams, token_logprobs
+from workers.engine.sampling import Sampler, token_logprobs
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk
 from workers.engine.step_inputs import StepLogits
 
@@ -37,7 +38,7 @@ def test_step_argmax_equals_the_per_row_sampler_including_ties():
     with pytest.raises(AssertionError, match="read_back"):
         _ = logits.argmax
     logits.read_back()
-    greedy = Sampler(SamplingParams())
+    greedy = Sampler(SamplingParams(temperature=0.0))
     assert logits.argmax == [greedy.sample(r) for r in rows] == [int(torch.argmax(r)) for r in rows]
     assert logits.argmax[:5] == [0, 15, 3, 5, 2]
     for i, span in enumerate(spans):
@@ -56,9 +57,13 @@ def test_step_samples_equal_the_per_request_sampler_and_token_logprobs():
     """Sampled tokens and logprobs computed for the whole step on the device, read in one copy, equal
     what each request's Sampler.sample and token_logprobs give row by row."""
     rows = torch.randint(0, 4, (9, 16), generator=torch.Generator().manual_seed(0)).float()  # ties everywhere
-    specs = [(SamplingParams(logprobs=2), (0, 4)), (SamplingParams(temperature=0.9, seed=3, logprobs=0), (4, 5)),
-             (SamplingParams(repetition_penalty=1.7, logprobs=5), (5, 6)), (SamplingParams(), (6, 7)),
-             (SamplingParams(temperature=1.3, top_k=4, seed=9), (7, 8)), (SamplingParams(logprobs=2), (8, 9))]
+    greedy = dict(temperature=0.0)
+    specs = [(SamplingParams(**greedy, logprobs=2), (0, 4)),
+             (SamplingParams(temperature=0.9, seed=3, logprobs=0), (4, 5)),
+             (SamplingParams(**greedy, repetition_penalty=1.7, logprobs=5), (5, 6)),
+             (SamplingParams(**greedy), (6, 7)),
+             (SamplingParams(temperature=1.3, top_k=4, seed=9), (7, 8)),
+             (SamplingParams(**greedy, logprobs=2), (8, 9))]
     scheduled = []
     for n, (params, _) in enumerate(specs):
         req = Request(f"r{n}", [1, 2, 3], params, hashes=None, sampler=Sampler(params))
@@ -88,7 +93,8 @@ def test_step_samples_equal_the_per_request_sampler_and_token_logprobs():
                                 {"min_tokens": 2, "max_tokens": 4}])
 def test_only_unshaped_greedy_requests_take_the_batched_argmax(kw):
     """A request whose token can differ from the raw argmax never takes it."""
-    assert Sampler(SamplingParams()).is_argmax and Sampler(SamplingParams(logprobs=3, stop_token_ids=(2,))).is_argmax
+    assert Sampler(SamplingParams(temperature=0.0)).is_argmax
+    assert Sampler(SamplingParams(temperature=0.0, logprobs=3, stop_token_ids=(2,))).is_argmax
     sampler = Sampler(SamplingParams(**kw), eos_token_ids=(0,))
     assert not sampler.is_argmax
     # and the difference is real: some row's sampled token is not its argmax
@@ -103,17 +109,17 @@ def test_only_unshaped_greedy_requests_take_the_batched_argmax(kw):
 def test_a_mixed_batch_equals_solo_runs(tiny_model, k):
     """Greedy, penalized, seeded-sampled, logprobs and stop-token requests in one batch: every
     output (tokens and logprobs) equals the request's solo run."""
-    params = [SamplingParams(max_tokens=10, ignore_eos=True),
-              SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5),
-              SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=0.5, logprobs=1),
-              SamplingParams(max_tokens=10, ignore_eos=True, min_tokens=3)]
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, presence_penalty=0.5, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=3)]
     prompts = [make_prompt(20 + 9 * i, 40 + i) for i in range(len(params))]
     solo_engine = make_engine(tiny_model, num_spec_tokens=k, enable_prefix_caching=False)
     solo = [solo_engine.generate([p], sp)[0] for p, sp in zip(prompts, params)]
     stop = solo[0].token_ids[4]  # a stop id the first request meets mid-way
-    params.append(SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)))
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)))
     prompts.append(prompts[0])
     solo.append(solo_engine.generate([prompts[-1]], params[-1])[0])
     assert solo[-1].finish_reason == "stop" and solo[-1].token_ids[-1] == stop
@@ -150,7 +156,7 @@ def sized_engine(model, num_blocks: int, num_pages: int, k: int, **kw):
 def test_kept_block_tables_and_covers_follow_growth_preemption_and_release(tiny_model, k):
     rng = random.Random(k)
     prompts = [make_prompt(rng.randrange(20, 60), 700 + i) for i in range(10)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     solo_engine = make_engine(tiny_model, num_spec_tokens=0, enable_prefix_caching=False)
     solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
     engine = sized_engine(tiny_model, 28 if k == 0 else 20, 16, k, max_model_len=256, max_num_seqs=10)
@@ -181,15 +187,16 @@ def test_the_model_eos_stops_a_request_unless_it_ignores_eos(tiny_model):
     which `ignore_eos` leaves out."""
     engine = make_engine(tiny_model, num_spec_tokens=0)
     prompt = make_prompt(30, 9)
-    (free,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    (free,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     eos = free.token_ids[5]
     first = free.token_ids.index(eos)
     engine.eos_token_ids = (eos,)  # as if config.json named it
-    (heeds,) = engine.generate([prompt], SamplingParams(max_tokens=12))
-    (ignores,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    (heeds,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    (ignores,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert (heeds.token_ids, heeds.finish_reason) == (free.token_ids[: first + 1], "stop")
     assert (ignores.token_ids, ignores.finish_reason) == (free.token_ids, "length")
-    assert Sampler(SamplingParams(stop_token_ids=(7,)), eos_token_ids=(2, 3)).stop_token_ids == {2, 3, 7}
+    assert Sampler(SamplingParams(temperature=0.0, stop_token_ids=(7,)), eos_token_ids=(2, 3)).stop_token_ids == {2,
+                                                                                                                  3, 7}
 
 
 @pytest.mark.parametrize("k, eagle, kept", [(3, "lossless", True), (3, "drop", False), (0, "lossless", False)])
@@ -197,6 +204,6 @@ def test_the_hidden_state_sidecar_is_kept_only_for_lossless_drafting(tiny_model,
     """Only lossless EAGLE reads the sidecar (a hit's draft KV at L-1); any other engine must not pay a
     copy per completed block for it, and the lossless one must keep every completed block's row."""
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle)
-    engine.generate([make_prompt(70, seed=3)], SamplingParams(max_tokens=2))
+    engine.generate([make_prompt(70, seed=3)], SamplingParams(temperature=0.0, max_tokens=2))
     written = int((engine.cache.sidecar.abs().sum(dim=1) > 0).sum())
     assert written == (70 // engine.cache.block_size if kept else 0)

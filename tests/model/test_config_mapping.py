@@ -15,7 +15,7 @@ from tests.model.helpers import make_tokens, run_chunks
 from tests.model.hf_models import NEMOTRON3_NANO_PUBLISHED, NEMOTRON3_SUPER_PUBLISHED, SPECS, build, load_hf
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.config import HybridModelConfig
 from workers.model.errors import ConfigError, MissingTensorError, TensorShapeError
 from workers.model.loader import load_model
@@ -127,14 +127,14 @@ def test_list_eos_ids_stop_generation(t5_copy):
     engine = LLMEngine(model, EngineConfig(kernels="torch", max_model_len=128, cache_memory_bytes=4 * 2**20,
                                            num_spec_tokens=0))
     prompt = make_tokens(10, seed=8, vocab=256).tolist()
-    (free,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    (free,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     stop_at = next(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i] and t != 2 and i >= 2)
     _write(t5_copy, {**_raw(t5_copy), "eos_token_id": [2, free.token_ids[stop_at]]})
     model = load_model(t5_copy, kernels="torch")
     assert model.config.eos_token_ids == {2, free.token_ids[stop_at]}
     engine = LLMEngine(model, EngineConfig(kernels="torch", max_model_len=128, cache_memory_bytes=4 * 2**20,
                                            num_spec_tokens=0))
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=8))
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
     assert list(out.token_ids) == list(free.token_ids[: stop_at + 1]) and out.finish_reason == "stop"
 
 

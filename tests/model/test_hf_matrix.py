@@ -15,7 +15,7 @@ from tests.model.helpers import greedy_hf_nocache, greedy_ours, make_table, make
 from tests.model.hf_models import SPECS, build, load_hf
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_model
 
 pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def test_engine_warm_equals_cold_and_greedy(hf_dirs, model_id, dtype):
                           cache_memory_bytes=8 * 2**20, num_spec_tokens=2 if model.mtp else 0, chunk_size=32)
     engine = LLMEngine(model, config)
     prompt = make_tokens(70, seed=9, vocab=VOCAB).tolist()
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (cold,) = engine.generate([prompt], params)
     (warm,) = engine.generate([prompt], params)
     assert warm.num_cached_tokens >= 48 and cold.num_cached_tokens == 0

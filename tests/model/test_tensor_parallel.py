@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import make_engine, make_prompt
 from tests.model.tp_helpers import TRAINED, code_prompts
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.errors import ForwardBatchError, TensorParallelError
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 from workers.model.kernels import TORCH_KERNELS
@@ -25,7 +25,7 @@ from workers.model.tp_shard import shard_model, validate_tp_size
 from workers.tp_worker import launch_local_tp
 
 ATOL = 1e-4
-PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from cache_service.trace_sim.config import load_cost_model, load_layout
 from cache_service.trace_sim.engine import ClusterSim, SimSettings
 from cluster.loadtest.trace_workload import trace_prompts, trace_slice
 from workers.engine.config import EngineConfig
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
 
@@ -56,7 +56,8 @@ def test_simulated_hits_equal_the_live_clusters_cached_tokens(ray_session, tiny_
         ids = list(backend.replica_ids)
         live = []
         for prompt in prompts:  # one at a time: each finishes and is in the index before the next
-            out, replica = backend.generate(list(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
+            out, replica = backend.generate(list(prompt), SamplingParams(temperature=0.0, max_tokens=1,
+                                                                         ignore_eos=True))
             live.append((ids.index(replica), out.num_cached_tokens))
             wait_until_indexed(backend)
     finally:

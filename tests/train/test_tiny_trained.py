@@ -30,10 +30,11 @@ def test_tokenizer_round_trip():
 def _greedy(model_dir: Path, n: int) -> list[int]:
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_checkpoint(str(model_dir), EngineConfig(num_spec_tokens=3, kernels="torch"))
-    out = engine.generate([byte_tokenizer.encode(PROMPT)], SamplingParams(max_tokens=n, ignore_eos=True))
+    out = engine.generate([byte_tokenizer.encode(PROMPT)], SamplingParams(temperature=0.0, max_tokens=n,
+                                                                          ignore_eos=True))
     return list(out[0].token_ids)
 
 

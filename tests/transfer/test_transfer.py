@@ -10,12 +10,12 @@ import torch.multiprocessing as mp
 
 from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine, make_prompt
-from workers.engine.sampling import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.transfer import TransferError, export_prefix, import_prefix, send_prefix
 from workers.transfer_channel import WorldChannel
 from workers.transfer_recv import recv_prefix
 
-PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def _hashes(engine, prompt):

@@ -11,7 +11,6 @@ greedily, so outputs equal non-speculative greedy decoding.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -27,7 +26,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
-from workers.engine.sampling import Sampler, SamplingParams
+from workers.engine.sampling import Sampler
+from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
 from workers.engine.state_copies import PendingStateCopies
 from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
@@ -104,12 +104,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        params = params or SamplingParams(temperature=0.0)  # an engine-level caller's default: greedy
         prompt = list(prompt_token_ids)
         limit = self.config.max_model_len
         validate_prompt(prompt, self.vocab_size, limit)
-        if params.max_tokens > limit - len(prompt):
-            params = dataclasses.replace(params, max_tokens=limit - len(prompt))
+        if params.max_tokens is None or params.max_tokens > limit - len(prompt):
+            params = params.with_max_tokens(limit - len(prompt))
         request_id = request_id or new_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")

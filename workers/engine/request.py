@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from cache_service.block_hash import RequestBlockHashes
-from workers.engine.sampling import Sampler, SamplingParams, TokenLogprobs
+from workers.engine.sampling import Sampler, TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(str, Enum):

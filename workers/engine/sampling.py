@@ -1,4 +1,4 @@
-"""Sampling parameters (validated) and the sampler: greedy at temperature 0, else
+"""The sampler (its parameters: `workers.engine.sampling_params`): greedy at temperature 0, else
 temperature / top-k / top-p with a per-request seeded generator; repetition, presence and
 frequency penalties and `min_tokens` applied to the logits first (as vLLM does); optional
 logprobs of the chosen token and the top alternatives, taken from the model's raw distribution."""
@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from workers.engine.errors import InvalidRequestError
-
-MAX_LOGPROBS = 20
+from workers.engine.sampling_params import SamplingParams
 
 
 class TokenLogprobs(NamedTuple):
@@ -22,68 +19,6 @@ class TokenLogprobs(NamedTuple):
 
     logprob: float
     top: tuple[tuple[int, float], ...]
-
-
-def _number(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            (lo < value if lo_open else lo <= value) and value <= hi):
-        raise InvalidRequestError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """`presence_penalty` / `frequency_penalty` (OpenAI, on the output tokens so far) and
-    `repetition_penalty` (HF / vLLM, on prompt and output tokens; 1 = off); `min_tokens`: stop
-    tokens (EOS included) cannot be sampled before this many outputs; `logprobs`: None = none,
-    k >= 0 = the chosen token's logprob plus the top k."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _number("temperature", self.temperature, 0.0, 100.0)
-        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, lo_open=True)
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
-                not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                                      f"got {self.min_tokens!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether anything but temperature/top-k/top-p changes the logits (penalties, min_tokens):
-        then the sampled token is not the raw argmax, so speculative verification cannot be used."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0)
 
 
 class Sampler:

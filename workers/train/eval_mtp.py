@@ -45,7 +45,7 @@ def first_token_rate(model_dir: str, hold: list[int], num_windows: int = 8, seq:
 def engine_rates(model_dir: str, hold: list[int], num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_checkpoint(model_dir, EngineConfig(num_spec_tokens=3, kernels="torch"))
     step = max(1, (len(hold) - prompt_len) // num_prompts)
