@@ -12,7 +12,6 @@ greedily, so outputs equal non-speculative greedy decoding.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import torch
@@ -28,9 +27,10 @@ from workers.engine.errors import EngineConfigError, InvalidRequestError, valida
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ChunkKind, ScheduledChunk, Scheduler
+from workers.engine.scheduler import ChunkKind, Scheduler
 from workers.engine.state_copies import PendingStateCopies
-from workers.engine.step_inputs import StepLogits, build_batch, sampling_logits
+from workers.engine.step_inputs import build_batch, sampling_logits
+from workers.engine.step_results import StepResults
 from workers.model.decode_graphs import CudaGraphBackend, DecodeGraphs, decode_graphs_for
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class LLMEngine:
         self.drafter = drafter
         self.requests: dict[str, Request] = {}
         self.state_copies = PendingStateCopies(self.caches)  # a step's rollbacks, copied at once
+        self.results = StepResults(self.cache, self.scheduler, self.state_copies, self.speculative)
         self.pending_drafts = PendingDrafts()  # the MTP drafts of the last step, still on the device
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
@@ -132,7 +133,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status is RequestStatus.FINISHED:
             return False
-        self._finish(req, FinishReason.ABORT)
+        self.results.finish(req, FinishReason.ABORT)
         self.requests.pop(request_id, None)
         return True
 
@@ -175,7 +176,7 @@ class LLMEngine:
         draft_inputs: list[DraftInput] = []
         row = 0
         for i, item in enumerate(scheduled):
-            handler = self._after_prefill if item.kind is ChunkKind.PREFILL else self._after_decode
+            handler = self.results.after_prefill if item.kind is ChunkKind.PREFILL else self.results.after_decode
             tokens, draft_input = handler(item, hidden, row, logits, i)
             row += item.num_new_tokens
             new_tokens.append(tokens)
@@ -213,127 +214,6 @@ class LLMEngine:
             req = self.requests[rid]
             req.set_drafts(tokens[: room(req)])
             req.num_draft_proposed += req.num_draft_tokens
-
-    def _wants_drafts(self, req: Request) -> bool:
-        """Whether `req` proposes drafts. Every request of a speculative engine still feeds the drafter
-        (propose=False), so the draft group's KV covers its tokens and its blocks are published: a
-        sampled request's prefix then serves later hits, a greedy resend's included."""
-        return self.speculative and req.params.greedy and not req.params.shapes_logits
-
-    def _after_prefill(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
-                       index: int) -> tuple[list[int], DraftInput | None]:
-        """Chunk `index` of the step, a prefill: its hidden rows are hidden[row : row + m]."""
-        req, m = item.req, item.num_new_tokens
-        start = req.num_computed_tokens
-        rows = hidden[row : row + m]
-        self.cache.record_hidden(req, start, rows)
-        req.num_computed_tokens = end = start + m
-        if end in req.checkpoints:
-            self.cache.snapshot(req, self.cache.state_page(req), end)
-        tokens: list[int] = []
-        if end == req.num_prefill_tokens:  # the prompt, or every known token after a preemption
-            # one row: sampling_logits picked this chunk's last row
-            token = self._sample(req, logits, index)
-            if req.first_token_s is None:
-                req.first_token_s = time.perf_counter()
-            tokens = self._emit(req, [token], logits, index)
-        if not self.speculative or req.status is RequestStatus.FINISHED:
-            return tokens, None
-        # draft rows: positions [draft_start, end) whose next token is known now
-        draft_start = req.num_draft_computed_tokens
-        hidden = rows
-        if draft_start < start:  # lossless hit: the draft layer's position L-1 from the sidecar
-            hidden = torch.cat([self.cache.hit_sidecar(req)[None].to(rows), rows])  # sidecar: CPU fp32
-        known = req.all_token_ids
-        next_ids = known[draft_start + 1 : end + 1]
-        if len(next_ids) < end - draft_start:  # final prompt token's successor not sampled (finished)
-            hidden = hidden[: len(next_ids)]
-        if not next_ids:
-            return tokens, None
-        propose = end == req.num_prefill_tokens and self._wants_drafts(req)
-        return tokens, DraftInput(req, draft_start, hidden, next_ids, propose)
-
-    def _after_decode(self, item: ScheduledChunk, hidden: torch.Tensor, row: int, logits: StepLogits,
-                      index: int) -> tuple[list[int], DraftInput | None]:
-        """Chunk `index` of the step, a decode or verify (1 + d rows from hidden[row], every one
-        sampling)."""
-        req, n = item.req, item.req.num_computed_tokens
-        drafts = req.draft_token_ids
-        if drafts:
-            target = logits.argmax_of(index)
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                accepted += 1
-            proposal = drafts[:accepted] + [target[accepted]]
-            req.num_draft_accepted += accepted
-            if accepted < len(drafts):  # else the working page already holds the state after the whole chunk
-                # the state after the last accepted token (queued: the step copies all rollbacks at once)
-                self.state_copies.add(self.cache.verify_pages(req, accepted + 1)[accepted], self.cache.state_page(req))
-        else:
-            accepted = 0
-            proposal = [self._sample(req, logits, index)]
-        req.set_drafts([])
-        self.cache.record_hidden(req, n, hidden, row, accepted + 1)
-        req.num_computed_tokens = n + accepted + 1
-        self._track_boundaries(req, n, accepted + 1, bool(drafts))
-        tokens = self._emit(req, proposal, logits, index)
-        if not self.speculative or req.status is RequestStatus.FINISHED:
-            return tokens, None
-        next_ids = req.all_token_ids[n + 1 : n + accepted + 2]
-        return tokens, DraftInput(req, n, hidden[row : row + len(next_ids)], next_ids, self._wants_drafts(req))
-
-    @staticmethod
-    def _sample(req: Request, logits: StepLogits, index: int) -> int:
-        """The token chunk `index` samples from its first sampling row."""
-        if req.sampler.is_argmax:  # the step's batched argmax: no per-request tensor op
-            return logits.argmax_of(index)[0]
-        return logits.samples.tokens_of[index]  # sampled on the device before the step's read-back
-
-    def _track_boundaries(self, req: Request, start: int, count: int, verified: bool) -> None:
-        """Keep the Mamba states at the last two alignment boundaries passed while decoding
-        (the final boundary F and F - A), for the next chat turn."""
-        step = self.cache.alignment
-        if (start + count) // step == start // step:  # no boundary in (start, start + count]
-            return
-        for pos in range(start + 1, start + count + 1):
-            if pos % step:
-                continue
-            verify = self.cache.verify_pages(req, count)
-            src = verify[pos - start - 1] if verified else self.cache.state_page(req)
-            self.cache.mamba.track_boundary(req.request_id, pos, src)
-
-    def _emit(self, req: Request, tokens: list[int], logits: StepLogits, index: int) -> list[int]:
-        """Append sampled tokens, stopping at a stop token or the length limit; row i of chunk
-        `index`'s logits is the row `tokens[i]` was chosen from (its logprobs: logits.samples)."""
-        out = []
-        stops = req.sampler.stop_token_ids  # the request's stop ids and, unless ignore_eos, the model's EOS
-        num_logprobs = req.params.logprobs
-        logprobs = logits.samples.logprobs_of[index] if num_logprobs is not None else None
-        reason = None
-        for i, t in enumerate(tokens):
-            out.append(t)
-            req.output_token_ids.append(t)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs[i])  # row i's emitted token's, computed before the read-back
-            if t in stops:
-                reason = FinishReason.STOP
-                break
-            if len(req.output_token_ids) >= req.params.max_tokens:
-                reason = FinishReason.LENGTH
-                break
-        req.hashes.append(out)
-        if reason is not None:
-            self._finish(req, reason)
-        return out
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.state_copies.flush()  # its working page is snapshotted and given back below
-        req.finish_reason = reason
-        req.status = RequestStatus.FINISHED
-        self.scheduler.remove(req)
-        if self.cache.holds(req):
-            self.cache.retire(req, keep=reason is not FinishReason.ABORT)
-
 
 def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
     """(num_kv_blocks, num_state_slots) from the memory budget and the model's page sizes."""
