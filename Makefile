@@ -33,7 +33,8 @@ bench: $(STAMP)
 # tests/mutation_score.py prints it and checks tests/MUTANTS.md accounts for every survivor.
 MUTMUT_JOBS ?= 2
 MUTANTS_ENGINE_PATHS ?= workers/engine/cache_manager.py
-MUTANTS_ENGINE_TESTS ?= tests/engine/test_prefix_cache_exact.py tests/engine/test_requests.py tests/engine/test_speculative.py
+MUTANTS_ENGINE_TESTS ?= tests/engine/test_prefix_cache_exact.py tests/engine/test_requests.py tests/engine/test_speculative.py \
+	tests/engine/test_preemption.py tests/engine/test_checkpoint_budget.py
 MUTMUT := $(abspath $(VENV))/bin/mutmut
 
 mutants: $(STAMP)

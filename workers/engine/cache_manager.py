@@ -106,10 +106,6 @@ class EngineCacheManager:
         return self.config.kv_block_size
 
     @property
-    def num_snapshots_skipped(self) -> int:
-        return self.mamba.num_snapshots_skipped
-
-    @property
     def num_free_kv_blocks(self) -> int:
         return self.full.pool.num_free_blocks
 
