@@ -51,6 +51,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # pinned forever
         self._free: OrderedDict[int, CacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[BlockHash, CacheBlock] = {}
+        self._num_free_empty = num_blocks - 1  # free blocks that hold no cached hash
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -60,6 +61,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_free_empty_blocks(self) -> int:
+        """Free blocks that hold nothing: allocating up to this many evicts nothing."""
+        return self._num_free_empty
 
     @property
     def num_cached_blocks(self) -> int:
@@ -80,6 +86,8 @@ class BlockPool:
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 self._uncache(block)
+            else:
+                self._num_free_empty -= 1
             block.ref_cnt = 1
             out.append(block)
         self.events.removed(self.group_id, tuple(evicted))
@@ -92,6 +100,7 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self._num_free_empty -= block.block_hash is None
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[CacheBlock]) -> None:
@@ -108,6 +117,7 @@ class BlockPool:
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
+                    self._num_free_empty += 1
 
     # ---- caching --------------------------------------------------------------------------
     def get_cached(self, block_hash: BlockHash) -> CacheBlock | None:
@@ -122,6 +132,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self._num_free_empty -= block.ref_cnt == 0
         self.events.stored(self.group_id, (block_hash,))
         return True
 
@@ -132,6 +143,7 @@ class BlockPool:
             return False
         self._uncache(block)
         self._free.move_to_end(block.block_id, last=False)  # now empty: reused before any cached block
+        self._num_free_empty += 1
         self.events.removed(self.group_id, (block_hash,))
         return True
 
@@ -141,6 +153,7 @@ class BlockPool:
             return False
         for block in list(self.cached.values()):
             self._uncache(block)
+        self._num_free_empty = len(self._free)
         self.events.cleared(self.group_id)
         return True
 
@@ -163,4 +176,5 @@ class BlockPool:
             assert block.block_hash == block_hash, f"stale cached entry for {block!r}"
         assert all(self._free[i] is self.blocks[i] for i in self._free), "free queue holds foreign blocks"
         cached = [b.block_hash is not None for b in self._free.values()]
+        assert self._num_free_empty == cached.count(False), "count of empty free blocks wrong"
         assert cached == sorted(cached), "an empty free block waits behind a cached one (it must be reused first)"

@@ -29,6 +29,7 @@ from typing import Protocol
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool, CacheBlock
 from cache_service.coordinator import EagleMode, HybridCoordinator
+from cache_service.eviction import EvictionConfig
 from cache_service.hit_finders import DropRule
 from cache_service.mamba_manager import MambaManager
 from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
@@ -223,13 +224,18 @@ class GroupManagers:
     one loop over the managers (check first, then act: nothing fails half-way)."""
 
     def __init__(self, coordinator: HybridCoordinator, pools: Sequence[BlockPool], backend: PageBackend | None = None,
-                 mamba_options: dict | None = None) -> None:
+                 mamba_options: dict | None = None, eviction: EvictionConfig | None = None) -> None:
+        """`eviction`: the policy of every Mamba group's retained checkpoints (one object each)."""
         backend = backend or NullPageBackend()
+        eviction = eviction or EvictionConfig()
         self.coordinator = coordinator
         self.managers = []
         for g, (spec, pool) in enumerate(zip(coordinator.layout.groups, pools)):
             cls = MANAGER_BY_KIND[type(spec)]
-            extra = (mamba_options or {}) if cls is MambaManager else {}
+            extra = {}
+            if cls is MambaManager:
+                extra = dict(mamba_options or {})
+                extra["eviction"] = eviction.build(extra.get("page_size_bytes", 1))
             self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
 
     def of_kind(self, kind: str) -> list:

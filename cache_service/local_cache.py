@@ -15,6 +15,7 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.events import EventSink
+from cache_service.eviction import EvictionConfig
 from cache_service.group_managers import GroupManagers
 from cache_service.prefill import StoreResult, run_prefill
 
@@ -35,7 +36,12 @@ class LocalPrefixCache:
         coordinator: HybridCoordinator,
         num_blocks_per_group: Sequence[int],
         events: EventSink | None = None,
+        eviction: EvictionConfig | None = None,
+        state_page_bytes: int = 1,
+        max_retained_pages: int | None = None,
     ) -> None:
+        """`eviction`, `state_page_bytes` (one Mamba state page) and `max_retained_pages` (the
+        checkpoint budget; None: the pool's size) as the engine's managers get them."""
         layout = coordinator.layout
         if len(num_blocks_per_group) != len(layout.groups):
             raise ValueError("one pool size per group is needed")
@@ -43,7 +49,9 @@ class LocalPrefixCache:
         self.events = events if events is not None else EventSink()
         self.pools = [BlockPool(n, g, self.events) for g, n in enumerate(num_blocks_per_group)]
         self.lookup_view = PoolLookup(self.pools)
-        self.groups = GroupManagers(coordinator, self.pools)
+        self.groups = GroupManagers(coordinator, self.pools, mamba_options={
+            "page_size_bytes": state_page_bytes, "max_retained_pages": max_retained_pages},
+                                    eviction=eviction)
 
     def lookup(self, hashes: RequestBlockHashes, num_prompt_tokens: int) -> HitResult:
         return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.lookup_view)

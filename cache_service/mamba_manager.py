@@ -10,14 +10,9 @@
 
 Working, boundary and verify pages are in use (ref_cnt > 0) and never evicted. Retained
 checkpoints are: at most `max_retained_pages` of them (the byte budget), and when one must go
-(the budget is full, or a page is needed and only cached ones are free) the one with the
-lowest expected value goes:
-
-    value = tokens saved per byte * (1 + reuses) / (1 + age / horizon)
-
-where tokens saved = the checkpoint's position, reuses = hits restored from it, age = logical
-ticks since it was made or last reused (one tick per snapshot or restore). A snapshot worth
-less than every retained one is not taken (`num_snapshots_skipped`).
+(the budget is full, or a page is needed and only cached ones are free) the eviction policy
+(`eviction.py`: lru, marconi or value) names it; a snapshot the policy does not admit is not
+taken (`num_snapshots_skipped`).
 """
 
 from __future__ import annotations
@@ -26,13 +21,7 @@ from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool, CacheBlock
-
-
-@dataclass
-class CheckpointStats:
-    position: int
-    num_reuses: int = 0
-    last_use: int = 0
+from cache_service.eviction import CheckpointEviction, ValueEviction
 
 
 @dataclass
@@ -44,10 +33,9 @@ class MambaSlots:
 
 
 class MambaManager:
-    RECENCY_HORIZON = 64  # ticks over which a checkpoint's value halves without reuse
-
     def __init__(self, group_id, spec, pool: BlockPool, coordinator, backend, num_verify_pages: int = 0,
-                 max_retained_pages: int | None = None, page_size_bytes: int = 1) -> None:
+                 max_retained_pages: int | None = None, page_size_bytes: int = 1,
+                 eviction: CheckpointEviction | None = None) -> None:
         self.group_id, self.spec, self.pool = group_id, spec, pool
         self.coordinator, self.backend = coordinator, backend
         self.block_size = spec.block_size
@@ -55,8 +43,7 @@ class MambaManager:
         self.max_retained_pages = max_retained_pages
         self.page_size_bytes = max(1, page_size_bytes)
         self.slots: dict[str, MambaSlots] = {}
-        self.stats: dict[BlockHash, CheckpointStats] = {}
-        self.clock = 0
+        self.eviction = eviction if eviction is not None else ValueEviction(self.page_size_bytes)
         self.num_snapshots = 0
         self.num_snapshots_skipped = 0
         self.num_evictions = 0
@@ -79,6 +66,7 @@ class MambaManager:
         return self.num_decode_pages if decoding and not slots.boundary else 0
 
     def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
+        self.eviction.tick()
         (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
         if src is not None:
             self.pool.touch([src])  # pinned: allocating the working page must not recycle it
@@ -87,7 +75,8 @@ class MambaManager:
         if src is not None:
             self.backend.copy_page(self.group_id, src.block_id, working.block_id)
             self.pool.free([src])
-            self._touch_stats(src.block_hash, hit_tokens, reused=True)
+            self._adopt()
+            self.eviction.used(src.block_hash, True, hit_tokens)
 
     def grow(self, request_id: str, num_positions: int, decoding: bool = False) -> None:
         slots = self.slots[request_id]
@@ -140,21 +129,24 @@ class MambaManager:
     # ---- retained checkpoints -----------------------------------------------------------------
     def snapshot(self, hashes: RequestBlockHashes, src_page: int, position: int) -> bool:
         """Retain the state in `src_page` (the state after `position` tokens) as a checkpoint,
-        within the budget. False when not taken (already cached, not worth it, no room)."""
+        within the budget. False when not taken (already cached, not admitted, no room)."""
         if position <= 0 or position % self.block_size:
             return False
         key = hashes.prefix_hash(position)
+        self._adopt()
         if key in self.pool.cached:
-            self._touch_stats(key, position)
+            self.eviction.used(key, False, position)
             return False
-        self.clock += 1
-        if self.max_retained_pages is not None and self.num_retained >= self.max_retained_pages:
-            victim = self._cheapest()
-            worth = self._value(CheckpointStats(position, 0, self.clock))
-            if victim is None or self._value(self._stats_of(victim)) >= worth:
+        parent = self._retained_below(hashes, position)
+        over_budget = self.max_retained_pages is not None and self.num_retained >= self.max_retained_pages
+        if over_budget or not self.pool.num_free_empty_blocks:  # taking it means evicting one
+            victim = self.eviction.victim(self._evictable)
+            if victim is not None and parent and victim == hashes.prefix_hash(parent):
+                parent = self._retained_below(hashes, parent)  # the parent itself would go
+            if victim is None or not self.eviction.admits(position, parent, victim):
                 self.num_snapshots_skipped += 1
                 return False
-            self._evict(victim)
+            self._evict(self.pool.cached[victim])
         if not self._can_take(1):
             self.num_snapshots_skipped += 1
             return False
@@ -162,11 +154,19 @@ class MambaManager:
         self.backend.copy_page(self.group_id, src_page, page.block_id)
         self.pool.cache_block(page, key)
         self.pool.free([page])
-        self.stats[key] = CheckpointStats(position, 0, self.clock)
+        self.eviction.stored(key, position, parent)
         self.num_snapshots += 1
-        if len(self.stats) > 2 * self.pool.num_blocks:  # pages evicted behind our back (transfers)
-            self.stats = {k: v for k, v in self.stats.items() if k in self.pool.cached}
         return True
+
+    def _retained_below(self, hashes: RequestBlockHashes, position: int) -> int:
+        """The position of the nearest retained state below `position` on this prefix that has
+        served a hit (0: none): what a hit at `position` saves more than."""
+        cached, reused = self.pool.cached, self.eviction.is_reused
+        for below in range(position - self.block_size, 0, -self.block_size):
+            key = hashes.prefix_hash(below)
+            if key in cached and reused(key):
+                return below
+        return 0
 
     @property
     def num_retained(self) -> int:
@@ -176,52 +176,40 @@ class MambaManager:
     def num_retained_bytes(self) -> int:
         return self.num_retained * self.page_size_bytes
 
-    def _touch_stats(self, key: BlockHash | None, position: int, reused: bool = False) -> None:
-        if key is None:
-            return
-        self.clock += 1
-        st = self.stats.setdefault(key, CheckpointStats(position))
-        st.last_use = self.clock
-        st.num_reuses += int(reused)
+    def _evictable(self, key: BlockHash) -> bool | None:
+        block = self.pool.cached.get(key)
+        return None if block is None else not block.ref_cnt
 
-    def _value(self, st: CheckpointStats) -> float:
-        age = self.clock - st.last_use
-        return st.position / self.page_size_bytes * (1 + st.num_reuses) / (1 + age / self.RECENCY_HORIZON)
-
-    def _stats_of(self, block: CacheBlock) -> CheckpointStats:
-        # pages registered without a snapshot (a transfer) count as fresh, never reused
-        return self.stats.setdefault(block.block_hash, CheckpointStats(0, 0, self.clock))
-
-    def _cheapest(self) -> CacheBlock | None:
-        """The free retained checkpoint of least value (ties: lowest page id); one pass, as it
-        runs per snapshot over every retained page. Pages without stats get them (`_stats_of`)."""
-        stats, value = self.stats, self._value
-        best, best_key = None, None
-        for block in self.pool.cached.values():
-            if block.ref_cnt:
-                continue
-            key = (value(stats.get(block.block_hash) or self._stats_of(block)), block.block_id)
-            if best_key is None or key < best_key:
-                best, best_key = block, key
-        return best
+    def _adopt(self) -> None:
+        """Pages cached behind the policy's back (a transfer registers pages in the pool) join it
+        as states of no known value (position 0): the first to go."""
+        known, cached = self.eviction.known(), self.pool.cached
+        if len(known) != len(cached):  # O(1) unless something changed behind the policy's back
+            for key in known.keys() - cached.keys():
+                self.eviction.removed(key)
+            for key in cached.keys() - known.keys():
+                self.eviction.stored(key, 0, 0)
 
     def _evict(self, block: CacheBlock) -> None:
         key = block.block_hash
         self.pool.evict(key)
-        self.stats.pop(key, None)
+        self.eviction.removed(key)
         self.num_evictions += 1
 
     def _num_free_uncached(self) -> int:
-        return self.pool.num_free_blocks - sum(1 for b in self.pool.cached.values() if not b.ref_cnt)
+        return self.pool.num_free_empty_blocks
 
     def _can_take(self, num: int) -> bool:
         return self.pool.can_allocate(num)
 
     def _allocate(self, num: int) -> list[CacheBlock]:
-        """Take `num` pages, evicting the retained checkpoints of least value first (not LRU)."""
-        for _ in range(max(0, num - self._num_free_uncached())):
-            victim = self._cheapest()
+        """Take `num` pages, evicting the retained checkpoints the policy names first."""
+        needed = num - self._num_free_uncached()
+        if needed > 0:
+            self._adopt()
+        for _ in range(max(0, needed)):
+            victim = self.eviction.victim(self._evictable)
             if victim is None:
                 break
-            self._evict(victim)
+            self._evict(self.pool.cached[victim])
         return self.pool.allocate(num)  # empty pages first: they sit at the free queue's head

@@ -14,8 +14,10 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from cache_service.eviction import EVICTION_NAMES, EvictionConfig
 from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
 from cache_service.trace_sim.config import SimConfigError, load_cost_model, load_layout
@@ -23,6 +25,8 @@ from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
 from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.summary import summarize
 from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
+from cache_service.trace_sim.tuning import tune_marconi_alpha
+from cache_service.trace_sim.working_set import working_set_bytes
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
@@ -36,8 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default="gpu", help="a name in configs/sim/cost.yaml")
     p.add_argument("--policy", default="hybrid", help=f"one of {', '.join(POLICY_NAMES)}, or 'all'")
     p.add_argument("--retention", default="latest", help="latest, dense, a token interval, or value:BYTES")
+    p.add_argument("--eviction", default="value",
+                   help="which retained Mamba state goes under pressure: value, lru, marconi[:ALPHA] "
+                        "(marconi alone: ALPHA tuned on the trace's first 10%%), or 'all'")
     p.add_argument("--eagle", default="off", choices=("off", "drop", "lossless"))
     p.add_argument("--memory-gib", type=float, default=20.0, help="cache memory per replica (KV + state)")
+    p.add_argument("--memory-share", type=float, default=None,
+                   help="instead of --memory-gib: the cluster's cache memory as this share of the trace's "
+                        "working set (working_set.py), split over the replicas")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -54,11 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict, list[dict]]:
+def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list) -> tuple[dict, list[dict]]:
+    layout = load_layout(args.layout)
+    budget = int(args.memory_gib * 2**30)
+    if args.memory_share is not None:
+        if not args.memory_share > 0:
+            raise ValueError(f"--memory-share must be positive, got {args.memory_share}")
+        budget = int(args.memory_share * working_set_bytes(requests, layout) / args.replicas)
     settings = SimSettings(
-        layout=load_layout(args.layout), cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
-        policy=policy, budget_bytes=int(args.memory_gib * 2**30), retention=args.retention, eagle=args.eagle,
+        layout=layout, cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
+        policy=policy, budget_bytes=budget, retention=args.retention, eviction=eviction, eagle=args.eagle,
         mamba_fraction=args.mamba_fraction, seed=args.seed, router=RouterConfig(junction_credit=args.junction_credit))
+    alpha_scores = None
+    if eviction == "marconi":  # no alpha given: tuned on the trace's first 10%, as the paper does
+        alpha, alpha_scores = tune_marconi_alpha(settings, requests)
+        settings = replace(settings, eviction=f"marconi:{alpha}")
     sim = ClusterSim(settings)
     bar = None
     if not args.no_progress:
@@ -69,8 +89,12 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if bar is not None:
         bar.close()
-    rows = [dict(record_dict(r), policy=policy) for r in records]
+    rows = [dict(record_dict(r), policy=policy, eviction=settings.eviction) for r in records]
     summary = summarize(sim, records, wall)
+    if args.memory_share is not None:
+        summary["memory_share"] = args.memory_share
+    if alpha_scores is not None:
+        summary["marconi_alpha_hit_rates"] = {str(a): v for a, v in alpha_scores.items()}
     summary["time_scale"] = args.time_scale
     summary["cpu_s"] = cpu  # this process's CPU time: the rate on a shared machine, beside wall_s
     summary["simulated_requests_per_cpu_s"] = len(records) / cpu if cpu > 0 else 0.0
@@ -80,26 +104,32 @@ def run_one(args: argparse.Namespace, policy: str, requests: list) -> tuple[dict
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     policies = list(POLICY_NAMES) if args.policy == "all" else [args.policy]
+    evictions = list(EVICTION_NAMES) if args.eviction == "all" else [args.eviction]
     if any(p not in POLICY_NAMES for p in policies):
         print(f"hybridserve simulate: unknown policy {args.policy!r}; expected one of "
               f"{', '.join(POLICY_NAMES)} or 'all'", file=sys.stderr)
         return 2
     try:
+        for eviction in evictions:
+            EvictionConfig(eviction)
         requests = load_trace(args.trace, args.limit)
         if (args.scale, args.time_scale, args.max_prompt_tokens) != (1.0, 1.0, None):
             requests = scale_requests(requests, args.scale, args.time_scale, args.max_prompt_tokens)
         results, rows = {}, []
-        for policy in policies:
-            results[policy], policy_rows = run_one(args, policy, requests)
-            rows.extend(policy_rows)
+        for eviction in evictions:
+            for policy in policies:
+                name = policy if len(evictions) == 1 else f"{policy}/{eviction}"
+                results[name], policy_rows = run_one(args, policy, eviction, requests)
+                rows.extend(policy_rows)
     except (TraceError, SimConfigError, SpecError, ValueError) as exc:
         print(f"hybridserve simulate: {exc}", file=sys.stderr)
         return 2
-    if "oracle" in results:
-        oracle_hits = results["oracle"]["num_hit_tokens"]
-        for summary in results.values():
+    for name, summary in results.items():
+        oracle = "oracle" if len(evictions) == 1 else f"oracle/{name.split('/')[1]}"
+        if oracle in results:
+            oracle_hits = results[oracle]["num_hit_tokens"]
             summary["hit_tokens_vs_oracle"] = summary["num_hit_tokens"] / oracle_hits if oracle_hits else None
-    out = results[policies[0]] if len(policies) == 1 else {"policies": results}
+    out = next(iter(results.values())) if len(results) == 1 else {"policies": results}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -22,6 +22,8 @@ class SimLayout:
     name: str
     layout: CacheLayout
     page_bytes: tuple[int, ...]  # per group: one block / one state page
+    # context length at which attention's quadratic FLOPs equal the linear ones (eviction.py)
+    attention_crossover_tokens: float = float("inf")
 
     def pool_blocks(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
         """Blocks per group for a replica with `budget_bytes` of cache memory: attention groups
@@ -79,7 +81,13 @@ def load_layout(name: str, path: Path | None = None) -> SimLayout:
         raise SimConfigError(f"{path}: layout {name!r}: {exc}") from None
     if any(p <= 0 for p in pages):
         raise SimConfigError(f"{path}: layout {name!r}: page_bytes must be positive")
-    return SimLayout(name, CacheLayout(specs), pages)
+    try:
+        crossover = float(data[name].get("attention_crossover_tokens", float("inf")))
+    except (TypeError, ValueError):
+        crossover = -1.0
+    if not crossover > 0:
+        raise SimConfigError(f"{path}: layout {name!r}: attention_crossover_tokens must be a positive number")
+    return SimLayout(name, CacheLayout(specs), pages, crossover)
 
 
 def load_cost_model(name: str, path: Path | None = None) -> CostModel:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import HybridCoordinator
+from cache_service.eviction import EvictionConfig
 from cache_service.global_index import GlobalIndex
 from cache_service.ids import replica_id
 from cache_service.retention import CheckpointPlanner, make_retention
@@ -40,6 +41,7 @@ class SimSettings:
     policy: str
     budget_bytes: int  # cache memory per replica (KV + Mamba state)
     retention: str = "latest"  # latest, dense, an interval, or value:BYTES (value_retention.py)
+    eviction: str = "value"  # of retained Mamba states: value | lru | marconi[:ALPHA] (eviction.py)
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
     seed: int = 0
@@ -78,6 +80,8 @@ class ClusterSim:
         self.value_retention = parse_value_retention(settings.retention, self._state_bytes)
         retention = self.value_retention or make_retention(settings.retention, layout.alignment)
         self.planner = CheckpointPlanner(self.coordinator, retention)
+        self.eviction = EvictionConfig(settings.eviction, settings.layout.attention_crossover_tokens)
+        state_page = max((p for g, p in zip(layout.groups, pages) if not g.is_attention), default=1)
         self.index = GlobalIndex(len(layout.groups))
         ids = [replica_id(i) for i in range(settings.num_replicas)]
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
@@ -85,11 +89,12 @@ class ClusterSim:
         self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
         if self.policy.shared_cache:
             blocks = settings.layout.pool_blocks(settings.budget_bytes * settings.num_replicas, settings.mamba_fraction)
-            shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None)
+            shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None, self.eviction, state_page)
             self.caches = [shared] * len(ids)
         else:
             blocks = settings.layout.pool_blocks(settings.budget_bytes, settings.mamba_fraction)
-            self.caches = [SimReplica(r, self.coordinator, self.planner, blocks, self.index) for r in ids]
+            self.caches = [SimReplica(r, self.coordinator, self.planner, blocks, self.index, self.eviction,
+                                      state_page) for r in ids]
         self.num_blocks_per_group = blocks
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.events import EventSink
+from cache_service.eviction import EvictionConfig
 from cache_service.global_index import GlobalIndex
 from cache_service.local_cache import LocalPrefixCache
 from cache_service.messages import BlockRecord, RecordKind
@@ -74,11 +75,15 @@ class SimReplica:
         planner: CheckpointPlanner,
         num_blocks_per_group: Sequence[int],
         index: GlobalIndex | None,
+        eviction: EvictionConfig | None = None,
+        state_page_bytes: int = 1,
+        max_retained_pages: int | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.planner = planner
         self.coordinator = coordinator
-        self.cache = LocalPrefixCache(coordinator, num_blocks_per_group, RecordSink(replica_id))
+        self.cache = LocalPrefixCache(coordinator, num_blocks_per_group, RecordSink(replica_id), eviction,
+                                      state_page_bytes, max_retained_pages)
         self.index = index
         if index is not None:
             index.add_replica(replica_id)

@@ -1,4 +1,11 @@
-"""The summary of one simulated run: hit tokens, modeled TTFT percentiles, load balance."""
+"""The summary of one simulated run: hit tokens, FLOPs saved, modeled TTFT percentiles, state-pool
+turnover, load balance.
+
+    flops_saved_share   recompute cost of the hit prefixes over that of every prompt, with the
+                        layout's cost(p) (eviction.py): hits on long prefixes count for more
+    state_turnover      Mamba snapshots evicted per state page the pools hold: how many times the
+                        state pool was replaced over the run
+"""
 
 from __future__ import annotations
 
@@ -27,12 +34,17 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
     counts = [per_replica.get(i, 0) for i in range(s.num_replicas)]
     mean = sum(counts) / len(counts)
     distinct = {id(c): c for c in sim.caches}.values()  # the oracle's queues share one cache
+    cost = sim.eviction.build().cost
+    total_cost = sum(cost(r.input_tokens) for r in records)
+    mambas = [m for c in distinct for m in c.cache.groups.of_kind("mamba")]
+    state_pages = sum(m.pool.num_blocks - 1 for m in mambas)
     return {
         "policy": s.policy,
         "layout": s.layout.name,
         "cost_model": s.cost.name,
         "num_replicas": s.num_replicas,
         "retention": s.retention,
+        "eviction": s.eviction,
         "eagle": s.eagle,
         "budget_bytes_per_replica": s.budget_bytes,
         "mamba_fraction": s.mamba_fraction,
@@ -42,10 +54,14 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
         "num_input_tokens": num_input,
         "num_hit_tokens": num_hit,
         "hit_rate": num_hit / num_input if num_input else 0.0,
+        "flops_saved_share": sum(cost(r.hit_tokens) for r in records) / total_cost if total_cost else 0.0,
+        "num_state_evictions": sum(m.num_evictions for m in mambas),
+        "state_turnover": sum(m.num_evictions for m in mambas) / state_pages if state_pages else 0.0,
         "num_transfer_tokens": sum(r.transfer_tokens for r in records),
         "ttft_s": {
             "mean": sum(ttft) / len(ttft) if ttft else 0.0,
-            "p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+            "p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p95": percentile(ttft, 95),
+            "p99": percentile(ttft, 99),
         },
         "requests_per_replica": {
             "max": max(counts), "min": min(counts), "max_over_mean": max(counts) / mean if mean else 0.0,

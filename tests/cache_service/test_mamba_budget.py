@@ -1,6 +1,6 @@
-"""Retained Mamba checkpoints under a byte budget: the least valuable goes (reuse, recency,
-tokens saved per byte), a snapshot worth less than every retained one is not taken, working
-states are never evicted."""
+"""Retained Mamba checkpoints under a byte budget, with the default `value` eviction: the least
+valuable goes (reuse, recency in requests, FLOPs saved per byte), a snapshot worth less than every
+retained one is not taken, working states are never evicted."""
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import BlockPool
@@ -31,8 +31,8 @@ def test_budget_evicts_the_least_valuable_checkpoint():
         m.restore(f"r{i}", a, 128)
         m.free(f"r{i}")
     assert m.num_retained == 3 and m.num_retained_bytes == 3000
-    # value = position / bytes * (1 + reuses) / (1 + age / 64): a 128*3, b 192, c 256 -> b goes
-    # (LRU would have taken b too; the next test has LRU and value disagree)
+    # value = gain / bytes * (1 + reuses) * exp(-age / tau), age in requests (2 restores so far):
+    # a 128 * 3 used now, b 192 and c 256 two requests old (tau >= 16) -> b goes
     assert m.snapshot(d, 0, 320)
     assert set(m.pool.cached) == {a.prefix_hash(128), c.prefix_hash(256), d.prefix_hash(320)}
     assert m.num_evictions == 1 and m.num_retained == 3
@@ -46,10 +46,29 @@ def test_recency_lowers_value_and_reuse_raises_it():
     m = make_manager(10, budget=2)
     old, new = hashes(1), hashes(2)
     m.snapshot(old, 0, 256)
-    m.clock += 300  # many ticks pass (other checkpoints made and reused elsewhere)
+    for i in range(100):  # many requests pass (tau stays at its floor of 16 requests: no reuse yet)
+        m.restore(f"q{i}", hashes(100 + i), 0)
+        m.free(f"q{i}")
     m.snapshot(new, 0, 192)
-    assert m.snapshot(hashes(3), 0, 200 // 64 * 64)  # 192, fresh: beats the stale 256
+    assert m.snapshot(hashes(3), 0, 192)  # fresh: beats the stale 256 (e^-100/16 of its worth)
     assert old.prefix_hash(256) not in m.pool.cached and new.prefix_hash(192) in m.pool.cached
+
+
+def test_snapshots_do_not_age_retained_states():
+    """The old rule counted age in snapshots: one request's own fine-grid snapshots aged the
+    shared system prompt's state out. Age is counted in requests now."""
+    m = make_manager(10, budget=2)
+    shared, busy = hashes(1), hashes(2)
+    m.snapshot(shared, 0, 256)
+    m.restore("s", shared, 256)  # a system prompt's state: it has served a hit
+    m.free("s")
+    m.restore("r", busy, 0)  # one request ...
+    for position in range(64, 512, 64):  # ... snapshots a dense grid: 7 snapshots, one tick
+        m.snapshot(busy, 0, position)
+    # each grid state (no hit served below it) is worth its whole prefix, so it replaces the one
+    # before it, the cheapest; the shared state (256 tokens x 2 for its reuse) stays
+    assert set(m.pool.cached) == {shared.prefix_hash(256), busy.prefix_hash(448)}
+    assert (m.num_snapshots, m.num_snapshots_skipped, m.num_evictions) == (8, 0, 6)
 
 
 def test_working_states_are_never_evicted_and_pool_pressure_evicts_by_value():

@@ -10,7 +10,8 @@ import pytest
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import BlockPool, PoolExhaustedError
 from cache_service.coordinator import HybridCoordinator
-from cache_service.mamba_manager import CheckpointStats, MambaManager
+from cache_service.eviction import ValueEviction, _Entry
+from cache_service.mamba_manager import MambaManager
 from cache_service.simulate import make_tokens
 from cache_service.specs import CacheLayout, FullAttentionSpec, MambaSpec
 
@@ -37,7 +38,8 @@ def hashes(seed: int = 0, n: int = 512) -> RequestBlockHashes:
 def test_defaults_and_fresh_counters():
     m = make_manager()
     assert (m.num_verify_pages, m.num_decode_pages, m.page_size_bytes) == (0, 2, 1)
-    assert (m.clock, m.num_snapshots, m.num_snapshots_skipped, m.num_evictions) == (0, 0, 0, 0)
+    assert (m.eviction.now, m.num_snapshots, m.num_snapshots_skipped, m.num_evictions) == (0, 0, 0, 0)
+    assert isinstance(m.eviction, ValueEviction) and m.eviction.page_bytes == 1
     assert make_manager(page_size_bytes=0).page_size_bytes == 1  # at least one byte per page
     assert make_manager(page_size_bytes=3).page_size_bytes == 3
     assert make_manager(num_verify_pages=3).num_decode_pages == 5
@@ -82,12 +84,12 @@ def test_restore_copies_the_checkpoint_into_the_working_page_and_counts_a_reuse(
     working = m.working_page("r")
     assert working != page.block_id
     assert m.backend.copies[-1] == (1, page.block_id, working)
-    st = m.stats[h.prefix_hash(128)]
-    assert (st.position, st.num_reuses, st.last_use, m.clock) == (128, 1, 2, 2)
+    st = m.eviction.known()[h.prefix_hash(128)]
+    assert (st.position, st.num_reuses, st.last_use, m.eviction.now) == (128, 1, 1, 1)  # a request: a tick
     m.restore("s", h, 128)
-    assert (st.num_reuses, st.last_use, m.clock) == (2, 3, 3)
-    m.restore("t", h, 0)  # a cold start copies nothing
-    assert len(m.backend.copies) == 3 and m.clock == 3
+    assert (st.num_reuses, st.last_use, m.eviction.now) == (2, 2, 2)
+    m.restore("t", h, 0)  # a cold start copies nothing, but is a request
+    assert len(m.backend.copies) == 3 and m.eviction.now == 3 and st.last_use == 2
 
 
 def test_boundaries_rotate_through_the_two_boundary_pages_and_rollback_reads_a_verify_page():
@@ -115,12 +117,16 @@ def test_snapshot_positions_and_counters():
     m = make_manager()
     h = hashes()
     assert not m.snapshot(h, 5, 0) and not m.snapshot(h, 5, 65) and not m.snapshot(h, 5, -64)
-    assert m.clock == 0 and m.num_snapshots == 0 and m.backend.copies == []
+    assert m.num_snapshots == 0 and m.backend.copies == [] and m.eviction.known() == {}
     assert m.snapshot(h, 5, 64) and m.snapshot(h, 6, 128)
-    assert (m.clock, m.num_snapshots, m.num_snapshots_skipped) == (2, 2, 0)
+    assert (m.eviction.now, m.num_snapshots, m.num_snapshots_skipped) == (0, 2, 0)  # snapshots: no tick
+    entries = m.eviction.known()
+    assert entries == {h.prefix_hash(64): _Entry(64, 64.0, 0, 0), h.prefix_hash(128): _Entry(128, 128.0, 0, 0)}
+    # (the state at 64 has served no hit: the one at 128 is worth its whole prefix)
+    m.restore("r", hashes(9), 0)
     assert not m.snapshot(h, 7, 64)  # already cached: not taken again, but its use is recorded
-    st = m.stats[h.prefix_hash(64)]
-    assert (st.position, st.num_reuses, st.last_use, m.clock, m.num_snapshots) == (64, 0, 3, 3, 2)
+    assert (entries[h.prefix_hash(64)].last_use, entries[h.prefix_hash(128)].last_use) == (1, 0)
+    assert m.num_snapshots == 2
     assert len(m.backend.copies) == 2
     one = MambaManager(1, MambaSpec(1), BlockPool(4, 1), HybridCoordinator(CacheLayout((MambaSpec(1),))),
                        RecordingBackend())
@@ -134,7 +140,7 @@ def test_a_snapshot_without_room_is_skipped_and_counted():
     m.restore("b", h, 0)
     m.restore("c", h, 0)
     assert not m.snapshot(h, 1, 64) and not m.snapshot(h, 1, 128)
-    assert (m.num_snapshots_skipped, m.num_snapshots, m.clock) == (2, 0, 2)
+    assert (m.num_snapshots_skipped, m.num_snapshots, m.eviction.now) == (2, 0, 3)
     with pytest.raises(PoolExhaustedError):  # no page, no checkpoint to evict
         m.restore("d", h, 0)
 
@@ -148,68 +154,73 @@ def test_a_zero_budget_keeps_no_checkpoint():
 def test_the_budget_skips_a_snapshot_worth_exactly_the_cheapest_and_evicts_a_cheaper_one():
     m = make_manager(max_retained_pages=1)
     a, b = hashes(1), hashes(2)
-    assert m.snapshot(a, 1, 128)  # value 128 at age 0
-    # a new checkpoint at 128 made one tick later: a's value is 128 / (1 + 1/64) < 128 -> a goes
+    assert m.snapshot(a, 1, 128)  # worth 128 now
+    assert not m.snapshot(b, 1, 128)  # the same request, the same worth: the retained one stays
+    assert m.num_snapshots_skipped == 1 and set(m.pool.cached) == {a.prefix_hash(128)}
+    m.restore("r", hashes(9), 0)  # one request later a is worth 128 * e^(-1/16) < 128: a goes
     assert m.snapshot(b, 1, 128)
     assert set(m.pool.cached) == {b.prefix_hash(128)} and m.num_evictions == 1
-    assert a.prefix_hash(128) not in m.stats and b.prefix_hash(128) in m.stats
-    # b reused once: at age 1 its value is 128 * 2 / (1 + 1/64) ~ 252
-    m.restore("r", b, 128)
-    m.free("r")
-    assert m.clock == 3
-    assert not m.snapshot(a, 1, 192)  # 192 < 128 * 2 / (1 + 1/64): worth less, skipped
-    assert (m.num_snapshots_skipped, m.num_snapshots) == (1, 2)
-    c = make_manager(max_retained_pages=1)
-    assert c.snapshot(a, 1, 128)
-    c.clock -= 1  # the next snapshot's tick brings it back: the new one is worth exactly the same
-    assert not c.snapshot(b, 1, 128)  # equal worth: the retained one stays
-    assert c.num_snapshots_skipped == 1 and set(c.pool.cached) == {a.prefix_hash(128)}
+    assert set(m.eviction.known()) == {b.prefix_hash(128)}
+    m.restore("s", b, 128)  # b reused: worth 128 * 2, beyond a fresh 192 in the same request
+    assert m.eviction.worth(b.prefix_hash(128)) == 256.0
+    assert not m.snapshot(a, 1, 192)
+    assert (m.num_snapshots_skipped, m.num_snapshots) == (2, 2)
+    assert m.snapshot(a, 1, 320)  # 320 > 256: taken
+    assert set(m.pool.cached) == {a.prefix_hash(320)}
 
 
 def test_the_value_formula():
     m = make_manager(page_size_bytes=4)
-    m.clock = 64
-    assert m._value(CheckpointStats(128, 0, 64)) == 128 / 4
-    assert m._value(CheckpointStats(128, 1, 64)) == 128 / 4 * 2
-    assert m._value(CheckpointStats(128, 1, 0)) == 128 / 4 * 2 / 2  # one horizon old: halved
-    assert m._value(CheckpointStats(128, 3, 32)) == pytest.approx(128 / 4 * 4 / 1.5)
+    e = m.eviction
+    h = hashes()
+    assert m.snapshot(h, 1, 128)
+    key = h.prefix_hash(128)
+    assert e.worth(key) == 128 / 4
+    for i in range(64):  # one tau (64 requests before any reuse is seen) later: / e
+        m.restore(f"q{i}", hashes(50 + i), 0)
+        m.free(f"q{i}")
+    assert e.worth(key) == pytest.approx(128 / 4 / 2.718281828459045)
+    m.restore("r", h, 128)  # a reuse 65 requests after its last use: tau = the mean distance
+    assert (e.tau, e.worth(key)) == (65.0, 128 / 4 * 2)
+    assert m.snapshot(h, 1, 256)  # gain over the retained state at 128: 128 tokens, not 256
+    assert e.known()[h.prefix_hash(256)].gain == 128 / 4
 
 
 def test_a_page_registered_without_a_snapshot_counts_as_fresh_and_never_reused():
     m = make_manager()
     h = hashes()
-    m.clock = 5
+    m.restore("q", hashes(9), 0)
     (page,) = m.pool.allocate(1)
     m.pool.cache_block(page, h.prefix_hash(64))  # a transfer registered it
     m.pool.free([page])
-    st = m._stats_of(page)
-    assert (st.position, st.num_reuses, st.last_use) == (0, 0, 5)
-    assert m._cheapest() is page
+    assert m.snapshot(h, 1, 256)  # the policy adopts it on its next decision
+    assert m.eviction.known()[h.prefix_hash(64)] == _Entry(0, 0.0, 0, 1)
+    assert m.eviction.victim(m._evictable) == h.prefix_hash(64)
 
 
-def test_stats_of_pages_evicted_behind_the_managers_back_are_pruned():
-    m = make_manager(4)  # 3 pages; stats pruned when they exceed 2 * 4 = 8 entries
+def test_states_evicted_behind_the_managers_back_are_dropped_from_the_policy():
+    m = make_manager(4)
     for seed in range(8):
         h = hashes(seed)
         assert m.snapshot(h, 1, 64)
-        m.pool.evict(h.prefix_hash(64))  # evicted by someone else: the stats entry lingers
-    assert len(m.stats) == 8
+        m.pool.evict(h.prefix_hash(64))  # evicted by someone else: the policy still knows it
+    assert len(m.eviction.known()) == 1
     last = hashes(8)
     assert m.snapshot(last, 1, 64)
-    assert m.stats == {last.prefix_hash(64): CheckpointStats(64, 0, 9)}
+    assert m.eviction.known() == {last.prefix_hash(64): _Entry(64, 64.0, 0, 0)}
 
 
-def test_a_transferred_checkpoint_gets_stats_at_its_position_when_reused_or_snapshotted_again():
+def test_a_transferred_checkpoint_learns_its_position_when_reused_or_snapshotted_again():
     m = make_manager()
     h = hashes()
-    for position in (64, 128):  # registered by a transfer: no stats yet
+    for position in (64, 128):  # registered by a transfer: no position yet
         (page,) = m.pool.allocate(1)
         m.pool.cache_block(page, h.prefix_hash(position))
         m.pool.free([page])
     m.restore("r", h, 64)
-    assert m.stats[h.prefix_hash(64)] == CheckpointStats(64, 1, 1)
+    assert m.eviction.known()[h.prefix_hash(64)] == _Entry(64, 64.0, 1, 1)
     assert not m.snapshot(h, 1, 128)
-    assert m.stats[h.prefix_hash(128)] == CheckpointStats(128, 0, 2)
+    assert m.eviction.known()[h.prefix_hash(128)] == _Entry(128, 128.0, 0, 1)
 
 
 def test_skips_and_evictions_are_counted_one_by_one():
@@ -217,15 +228,16 @@ def test_skips_and_evictions_are_counted_one_by_one():
     assert not m.snapshot(hashes(1), 1, 64) and not m.snapshot(hashes(2), 1, 64)
     assert m.num_snapshots_skipped == 2
     b = make_manager(max_retained_pages=1)
-    for seed in range(3):  # each new one is worth more than the older retained one
+    for seed in range(3):  # each new one, a request later, is worth more than the retained one
+        b.restore(f"r{seed}", hashes(9), 0)
+        b.free(f"r{seed}")
         assert b.snapshot(hashes(seed), 1, 64)
     assert (b.num_evictions, b.num_snapshots, b.num_retained) == (2, 3, 1)
 
 
 def test_a_page_in_use_first_in_the_pool_does_not_stop_the_search_for_the_cheapest():
-    # kills _cheapest__mutmut_3 (`break` at the first page in use): the checkpoint a restore
-    # copies from is pinned while the working page is taken; the others are still ranked by
-    # value (64 goes), not left to LRU (which would take 128)
+    # the checkpoint a restore copies from is pinned while the working page is taken; the others
+    # are still ranked by value (64 goes), not left to the pool's LRU (which would take 128)
     m = make_manager(4)  # 3 pages
     h = hashes()
     for position in (192, 128, 64):  # cached in this order; LRU order of the free pages too
@@ -234,9 +246,8 @@ def test_a_page_in_use_first_in_the_pool_does_not_stop_the_search_for_the_cheape
     assert set(m.pool.cached) == {h.prefix_hash(192), h.prefix_hash(128)} and m.num_evictions == 1
 
 
-def test_a_transferred_page_without_stats_is_ranked_before_anyone_asked_for_its_stats():
-    # kills _cheapest__mutmut_6 and _8 (a page without stats crashes the ranking): a page a
-    # transfer registered counts as fresh at position 0, so it is the first to go over budget
+def test_a_transferred_page_is_ranked_before_anyone_used_it():
+    # a page a transfer registered counts as a state of no known value: the first to go over budget
     m = make_manager(max_retained_pages=2)
     a, b = hashes(1), hashes(2)
     assert m.snapshot(a, 1, 128)

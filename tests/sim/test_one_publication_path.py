@@ -24,9 +24,12 @@ import ast
 import random
 from pathlib import Path
 
+import pytest
+
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.coordinator import EagleMode, HybridCoordinator
+from cache_service.eviction import EvictionConfig
 from cache_service.group_managers import GroupManagers
 from cache_service.local_cache import PoolLookup
 from cache_service.retention import CheckpointPlanner, make_retention
@@ -81,15 +84,22 @@ def history(seed: int) -> list[list[int]]:
     return [p[:600] for p in prompts]
 
 
-def test_a_simulated_replica_leaves_the_pools_the_engines_managers_leave():
-    layout = CacheLayout((parse_group_spec("full:16"), parse_group_spec("mamba:64")))
-    sizes = (70, 7)  # tight: the ~24 prompts publish far more than 69 blocks and 6 snapshots
+@pytest.mark.parametrize("eviction", ["value", "lru", "marconi:1"])
+@pytest.mark.parametrize("eagle", [EagleMode.OFF, EagleMode.DROP, EagleMode.LOSSLESS])
+def test_a_simulated_replica_leaves_the_pools_the_engines_managers_leave(eagle, eviction):
+    """... with the same eviction policy object type (one per Mamba pool), in every EAGLE mode:
+    the engine's managers and the simulated replica evict the same states in the same order."""
+    groups = ["full:16", "mamba:64"] + (["draft:16"] if eagle is not EagleMode.OFF else [])
+    layout = CacheLayout(tuple(parse_group_spec(g) for g in groups))
+    sizes = (70, 7, 70)[: len(groups)]  # tight: the ~24 prompts publish far more than 69 blocks and 6 snapshots
+    config = EvictionConfig(eviction)
     for seed in range(3):
-        coord = HybridCoordinator(layout, EagleMode.OFF)
+        coord = HybridCoordinator(layout, eagle)
         planner = CheckpointPlanner(coord, make_retention("latest", layout.alignment))
-        replica = SimReplica("r", coord, planner, sizes, index=None)
+        replica = SimReplica("r", coord, planner, sizes, index=None, eviction=config)
         pools = [BlockPool(n, g) for g, n in enumerate(sizes)]
-        engine = GroupManagers(coord, pools)
+        engine = GroupManagers(coord, pools, eviction=config)
+        evicted = 0
         num_hits = 0
         for tokens in history(seed):
             hashes = RequestBlockHashes(layout.hash_block_size, tokens)
@@ -101,9 +111,14 @@ def test_a_simulated_replica_leaves_the_pools_the_engines_managers_leave():
             engine_prefill(engine, hashes, hit.hit_tokens, n, planner.checkpoints(n, n, junctions))
             for g in range(len(sizes)):
                 assert pool_state(replica.cache.pools[g]) == pool_state(pools[g]), (seed, g)
+            (sim_mamba,), (engine_mamba,) = replica.cache.groups.of_kind("mamba"), engine.of_kind("mamba")
+            assert sim_mamba.num_evictions == engine_mamba.num_evictions
+            assert dict(sim_mamba.eviction.known()) == dict(engine_mamba.eviction.known())
+            evicted = sim_mamba.num_evictions
             num_hits += hit.hit_tokens > 0
         assert num_hits >= 3  # the history reuses prefixes ...
         assert all(s > n for s, n in zip(replica.num_stored_blocks, sizes))  # ... and evicts
+        assert evicted >= 5  # Mamba states by the policy
         assert replica.num_refused_prefills == 0
 
 

@@ -21,6 +21,7 @@ import torch
 from cache_service.block_pool import BlockPool
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.events import EventSink
+from cache_service.eviction import EvictionConfig
 from cache_service.group_managers import GroupManagers
 from cache_service.lifecycle import settle
 from cache_service.local_cache import PoolLookup
@@ -78,7 +79,7 @@ class EngineCacheManager:
         budget = int(config.cache_memory_bytes * config.checkpoint_memory_fraction) // max(1, state_page_bytes)
         self.groups = GroupManagers(self.coordinator, self.pools, ModelPageBackend(caches, self.layout), {
             "num_verify_pages": self.num_spec_tokens + 1 if speculative else 0,
-            "max_retained_pages": budget, "page_size_bytes": state_page_bytes})
+            "max_retained_pages": budget, "page_size_bytes": state_page_bytes}, EvictionConfig(config.eviction))
         (self.full,) = self.groups.of_kind("full")
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from cache_service.coordinator import EagleMode
+from cache_service.eviction import EvictionConfig, EvictionError
 from cache_service.hit_finders import DropRule
 from workers.engine.errors import EngineConfigError
 
@@ -31,6 +32,9 @@ class EngineConfig:
     # hit is cached) | alignment (older engines: one alignment unit lost per hit)
     drop_rule: str = "lookahead"
     retention: str = "latest"  # latest | dense | interval in tokens
+    # which retained Mamba checkpoint goes under pressure: value | lru | marconi[:ALPHA]
+    # (cache_service/eviction.py; the trace simulator's --eviction runs the same objects)
+    eviction: str = "value"
     enable_prefix_caching: bool = True
     kernels: str = "auto"  # auto | torch | cuda
     model_fingerprint: str = ""  # filled from the checkpoint when empty
@@ -69,6 +73,10 @@ class EngineConfig:
             DropRule(self.drop_rule)
         except ValueError:
             raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}") from None
+        try:
+            EvictionConfig(self.eviction)
+        except EvictionError as exc:
+            raise EngineConfigError(str(exc)) from None
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or (

@@ -1,0 +1,27 @@
+"""`python -m bench.eviction` end to end at small sizes: every policy decides, the growth ratios
+and the simulator comparison are reported (no timing is asserted: the machine is shared)."""
+
+import json
+
+from bench.eviction import decision_cost, main
+
+
+def test_eviction_benchmark_reports_decisions_growth_and_the_simulator_ratio(capsys):
+    assert main(["--sizes", "200,2000", "--marconi-sizes", "100,200", "--decisions", "300",
+                 "--marconi-decisions", "20", "--sim-requests", "40"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {(r["policy"], r["num_states"]): r for r in report["decisions"]}
+    assert set(rows) == {("lru", 200), ("lru", 2000), ("value", 200), ("value", 2000),
+                         ("marconi", 100), ("marconi", 200)}
+    assert all(r["us_per_decision"] > 0 for r in rows.values())
+    assert {"lru_growth", "value_growth", "marconi_growth"} <= set(report)
+    sims = report["simulator"]
+    assert [s["eviction"] for s in sims] == ["lru", "value"] and all(s["num_requests"] == 40 for s in sims)
+    assert report["simulator_value_over_lru"] > 0
+
+
+def test_each_decision_evicts_one_state_and_keeps_the_pool_full():
+    """The benchmark's loop is a real steady state: a victim every time (never None: that would
+    crash `removed`/`index.pop`), the pool size unchanged."""
+    for policy in ("lru", "value", "marconi"):
+        assert decision_cost(policy, 50, 200)["num_decisions"] == 200
