@@ -19,6 +19,9 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               never snapshots; tau is the mean reuse distance seen so far, in requests. Since
                   log v = log(gain * (1 + reuses) / bytes) + t_used / tau  -  t / tau
               and the last term is common to every state, the order only changes on use: a heap,
+              Grid states (retention's periodic positions) go before any boundary state (replay,
+              final, junction: where a known later request lands) until they serve a hit, so a
+              finer grid never costs the states `latest` would keep.
               O(log n) per decision (plus a re-keying when tau has doubled or halved since the
               last: O(n), a few times per run as the mean settles). A snapshot worth less than
               the least valuable retained state is not taken.
@@ -77,8 +80,9 @@ class CheckpointEviction(ABC):
         return (self.cost(position) - self.cost(parent)) / self.page_bytes
 
     @abstractmethod
-    def stored(self, key: BlockHash, position: int, parent: int) -> None:
-        """A snapshot at `position` was retained (`parent`: the nearest retained state below it)."""
+    def stored(self, key: BlockHash, position: int, parent: int, periodic: bool = False) -> None:
+        """A snapshot at `position` was retained (`parent`: the nearest reused state below it;
+        `periodic`: a retention grid position, not a boundary a known later request lands on)."""
 
     @abstractmethod
     def used(self, key: BlockHash, restored: bool, position: int) -> None:
@@ -97,7 +101,7 @@ class CheckpointEviction(ABC):
         """Whether the retained state `key` has served a hit (a proven shared prefix)."""
         return False
 
-    def admits(self, position: int, parent: int, victim: BlockHash) -> bool:
+    def admits(self, position: int, parent: int, victim: BlockHash, periodic: bool = False) -> bool:
         """With the budget full: is a new snapshot worth more than `victim`? (Default: yes.)"""
         return True
 
@@ -116,7 +120,7 @@ class LruEviction(CheckpointEviction):
         super().__init__(page_bytes, cost)
         self._order: OrderedDict[BlockHash, None] = OrderedDict()
 
-    def stored(self, key, position, parent) -> None:
+    def stored(self, key, position, parent, periodic=False) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -150,6 +154,7 @@ class _Entry:
     gain: float
     num_reuses: int
     last_use: int
+    periodic: bool = False
 
 
 def _learn_position(policy: CheckpointEviction, entry: _Entry, position: int) -> None:
@@ -167,7 +172,7 @@ class MarconiEviction(CheckpointEviction):
         self.alpha = alpha
         self._entries: dict[BlockHash, _Entry] = {}
 
-    def stored(self, key, position, parent) -> None:
+    def stored(self, key, position, parent, periodic=False) -> None:
         self._entries[key] = _Entry(position, self.gain(position, parent), 0, self.now)
 
     def used(self, key, restored, position) -> None:
@@ -218,7 +223,7 @@ class ValueEviction(CheckpointEviction):
         self.tau = tau  # requests: a prior until reuses are seen, then their mean distance
         self._keyed_tau = tau  # the tau heap keys were computed with
         self._entries: dict[BlockHash, _Entry] = {}
-        self._heap: list[tuple[float, int, BlockHash]] = []
+        self._heap: list[tuple[tuple[bool, float], int, BlockHash]] = []
         self._version: dict[BlockHash, int] = {}
         self._seq = 0
         self._reuse_sum, self._num_reuses = 0, 0
@@ -228,8 +233,10 @@ class ValueEviction(CheckpointEviction):
         e = self._entries[key]
         return e.gain * (1 + e.num_reuses) * math.exp(-(self.now - e.last_use) / self.tau)
 
-    def _priority(self, entry: _Entry) -> float:
-        return math.log(max(entry.gain, 1e-30) * (1 + entry.num_reuses)) + entry.last_use / self._keyed_tau
+    def _priority(self, entry: _Entry) -> tuple[bool, float]:
+        """(boundary, log worth + last use / tau): grid states go before any boundary state."""
+        return (not entry.periodic or entry.num_reuses > 0,
+                math.log(max(entry.gain, 1e-30) * (1 + entry.num_reuses)) + entry.last_use / self._keyed_tau)
 
     def _push(self, key: BlockHash, entry: _Entry) -> None:
         self._seq += 1
@@ -247,8 +254,8 @@ class ValueEviction(CheckpointEviction):
             self._heap.append((self._priority(entry), self._seq, key))
         heapq.heapify(self._heap)
 
-    def stored(self, key, position, parent) -> None:
-        entry = self._entries[key] = _Entry(position, self.gain(position, parent), 0, self.now)
+    def stored(self, key, position, parent, periodic=False) -> None:
+        entry = self._entries[key] = _Entry(position, self.gain(position, parent), 0, self.now, periodic)
         self._push(key, entry)
 
     def used(self, key, restored, position) -> None:
@@ -296,8 +303,8 @@ class ValueEviction(CheckpointEviction):
         entry = self._entries.get(key)
         return entry is not None and entry.num_reuses > 0
 
-    def admits(self, position, parent, victim) -> bool:
-        new = _Entry(position, self.gain(position, parent), 0, self.now)
+    def admits(self, position, parent, victim, periodic=False) -> bool:
+        new = _Entry(position, self.gain(position, parent), 0, self.now, periodic)
         return self._priority(new) > self._priority(self._entries[victim])
 
     def known(self):

@@ -27,15 +27,17 @@ from cache_service.mamba_manager import MambaManager
 
 def settle(groups: GroupManagers, request_id: str, hashes: RequestBlockHashes, num_computed: Sequence[int],
            checkpoints: Sequence[int] = (), *, publish: bool = True, working_state_at: int | None = None,
-           keep: Collection[int] = (), free: bool = False) -> list[int]:
-    """publish -> snapshot -> keep -> free; `num_computed[g]`: how far group g's content is valid.
+           keep: Collection[int] = (), free: bool = False, periodic: Collection[int] = ()) -> list[int]:
+    """publish -> snapshot -> keep -> free; `num_computed[g]`: how far group g's content is valid;
+    `periodic`: the checkpoints that are retention grid positions only (`CheckpointPlanner.periodic`).
     Returns per group the blocks newly cached (Mamba: the snapshots taken)."""
     stored = groups.publish(request_id, hashes, num_computed, checkpoints) if publish else [0] * len(num_computed)
     for g, manager in enumerate(groups.managers):
         if not isinstance(manager, MambaManager):
             continue
         if working_state_at is not None:
-            stored[g] += manager.snapshot(hashes, manager.working_page(request_id), working_state_at)
+            stored[g] += manager.snapshot(hashes, manager.working_page(request_id), working_state_at,
+                                          working_state_at in periodic)
         for position, page in manager.boundary_states(request_id):
             if position in keep:
                 stored[g] += manager.snapshot(hashes, page, position)

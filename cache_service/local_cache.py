@@ -9,7 +9,7 @@ exercise the real pools, eviction, events and publication (`store_prefix`, throu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool
@@ -57,12 +57,13 @@ class LocalPrefixCache:
         return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.lookup_view)
 
     def store_prefix(
-        self, hashes: RequestBlockHashes, num_computed_tokens: int, checkpoints: Sequence[int], hit_tokens: int = 0
+        self, hashes: RequestBlockHashes, num_computed_tokens: int, checkpoints: Sequence[int], hit_tokens: int = 0,
+        periodic: Collection[int] = (),
     ) -> StoreResult:
         """Publish what a request leaves behind that restored a hit of `hit_tokens` (cached here)
         and computed up to `num_computed_tokens`, with Mamba snapshots at `checkpoints`: one
         prefill through the group managers (`prefill.run_prefill`)."""
-        return run_prefill(self.groups, "store_prefix", hashes, hit_tokens, num_computed_tokens, checkpoints)
+        return run_prefill(self.groups, "store_prefix", hashes, hit_tokens, num_computed_tokens, checkpoints, periodic)
 
     def check_integrity(self) -> None:
         for pool in self.pools:

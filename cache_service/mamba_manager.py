@@ -127,9 +127,10 @@ class MambaManager:
         return [(pos, page.block_id) for pos, page in zip(slots.boundary_positions, slots.boundary)]
 
     # ---- retained checkpoints -----------------------------------------------------------------
-    def snapshot(self, hashes: RequestBlockHashes, src_page: int, position: int) -> bool:
+    def snapshot(self, hashes: RequestBlockHashes, src_page: int, position: int, periodic: bool = False) -> bool:
         """Retain the state in `src_page` (the state after `position` tokens) as a checkpoint,
-        within the budget. False when not taken (already cached, not admitted, no room)."""
+        within the budget. False when not taken (already cached, not admitted, no room).
+        `periodic`: a retention grid position only (the policy ranks those below boundaries)."""
         if position <= 0 or position % self.block_size:
             return False
         key = hashes.prefix_hash(position)
@@ -143,7 +144,7 @@ class MambaManager:
             victim = self.eviction.victim(self._evictable)
             if victim is not None and parent and victim == hashes.prefix_hash(parent):
                 parent = self._retained_below(hashes, parent)  # the parent itself would go
-            if victim is None or not self.eviction.admits(position, parent, victim):
+            if victim is None or not self.eviction.admits(position, parent, victim, periodic):
                 self.num_snapshots_skipped += 1
                 return False
             self._evict(self.pool.cached[victim])
@@ -154,7 +155,7 @@ class MambaManager:
         self.backend.copy_page(self.group_id, src_page, page.block_id)
         self.pool.cache_block(page, key)
         self.pool.free([page])
-        self.eviction.stored(key, position, parent)
+        self.eviction.stored(key, position, parent, periodic)
         self.num_snapshots += 1
         return True
 

@@ -18,7 +18,7 @@ walks block ends or caches a block itself, so publication exists once, in the ma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from cache_service.block_hash import RequestBlockHashes
@@ -32,7 +32,7 @@ class StoreResult(NamedTuple):
 
 
 def run_prefill(groups: GroupManagers, request_id: str, hashes: RequestBlockHashes, hit_tokens: int,
-                num_tokens: int, checkpoints: Sequence[int]) -> StoreResult:
+                num_tokens: int, checkpoints: Sequence[int], periodic: Collection[int] = ()) -> StoreResult:
     """Prefill [hit_tokens, num_tokens) of a request and publish what it leaves behind, in the
     engine's order: chunks end at each checkpoint past the hit and at the prompt's end; each
     chunk grows every group, publishes its complete blocks, then snapshots the Mamba state if
@@ -49,6 +49,6 @@ def run_prefill(groups: GroupManagers, request_id: str, hashes: RequestBlockHash
     for end in stops:
         groups.grow(request_id, end)
         now = settle(groups, request_id, hashes, [end] * len(groups.managers), checkpoints,
-                     working_state_at=end if end in marks else None, free=end == num_tokens)
+                     working_state_at=end if end in marks else None, free=end == num_tokens, periodic=periodic)
         stored = [a + b for a, b in zip(stored, now)]
     return StoreResult(True, tuple(stored))

@@ -108,6 +108,20 @@ class CheckpointPlanner:
         marks += [Boundary(j // step * step, j) for j in junctions]
         return [m for m in marks if 0 < m.position <= num_computed_tokens]
 
+    def periodic(
+        self, num_prompt_tokens: int, num_computed_tokens: int, junctions: Iterable[int] = ()
+    ) -> frozenset[int]:
+        """The checkpoints only the policy's grid asks for (no boundary, none a later lookup at a
+        boundary needs): the ones an eviction policy may rank below every boundary state."""
+        step = self.coordinator.alignment
+        junctions = tuple(junctions)
+        marks = self.boundaries(num_prompt_tokens, num_computed_tokens, junctions)
+        needed = {m.position for m in marks}
+        if self.eagle_aware:
+            needed.update(self.coordinator.reachable_hit_positions(marks))
+        grid = self.policy.periodic_positions(num_computed_tokens, step)
+        return frozenset(p for p in grid if 0 < p <= num_computed_tokens and p not in needed)
+
     def checkpoints(
         self, num_prompt_tokens: int, num_computed_tokens: int, junctions: Iterable[int] = ()
     ) -> tuple[int, ...]:

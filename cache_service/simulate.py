@@ -84,7 +84,8 @@ def run_request(
     junctions = coordinator.junctions(hit)
     n = len(tokens)
     checkpoints = planner.checkpoints(n, n, junctions)
-    if not cache.store_prefix(hashes, n, checkpoints, hit.hit_tokens).admitted and explain:
+    periodic = planner.periodic(n, n, junctions)
+    if not cache.store_prefix(hashes, n, checkpoints, hit.hit_tokens, periodic).admitted and explain:
         lines.append("pools too small to hold the whole prompt: nothing stored")
     return RequestTrace(n, hit, checkpoints, junctions, lines)
 

@@ -105,7 +105,8 @@ class SimReplica:
         if another publication here has evicted some since, what is still cached is restored."""
         if hit_tokens and not self.cache.groups.holds_hit(hashes, hit_tokens):
             hit_tokens = self.lookup(hashes, hit_tokens + 1).hit_tokens
-        return self._store(hashes, hit_tokens, num_tokens, self.planner.checkpoints(num_tokens, num_tokens, junctions))
+        return self._store(hashes, hit_tokens, num_tokens, self.planner.checkpoints(num_tokens, num_tokens, junctions),
+                           self.planner.periodic(num_tokens, num_tokens, junctions))
 
     def receive_transfer(self, hashes: RequestBlockHashes, num_tokens: int) -> StoreResult:
         """Pages of a `num_tokens` prefix pushed from another replica (KV blocks + the snapshot),
@@ -116,8 +117,8 @@ class SimReplica:
         return self._store(hashes, self.lookup(hashes, num_tokens + 1).hit_tokens, num_tokens, (num_tokens,))
 
     def _store(self, hashes: RequestBlockHashes, hit_tokens: int, num_tokens: int,
-               checkpoints: Sequence[int]) -> StoreResult:
-        result = self.cache.store_prefix(hashes, num_tokens, checkpoints, hit_tokens)
+               checkpoints: Sequence[int], periodic: frozenset[int] = frozenset()) -> StoreResult:
+        result = self.cache.store_prefix(hashes, num_tokens, checkpoints, hit_tokens, periodic)
         self.num_refused_prefills += not result.admitted
         self.num_stored_blocks = [a + b for a, b in zip(self.num_stored_blocks, result.num_stored_blocks)]
         self.flush_events()

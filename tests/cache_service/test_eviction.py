@@ -151,3 +151,32 @@ def test_value_rekeys_its_heap_when_the_reuse_distance_moves_tau():
     v.used(key(2), True, 1000)  # reused 16 requests later: tau 16
     assert v.tau == 16.0
     assert v.victim(lambda k: True) == key(0)  # at tau 16: 100 e^(-20/16) < 60
+
+
+def test_value_evicts_grid_states_before_boundary_states_until_they_serve_a_hit():
+    v = ValueEviction()
+    v.stored(key(0), 4096, 0, periodic=True)  # a deep grid state: worth far more ...
+    v.stored(key(1), 64, 0)  # ... than this boundary state, but it goes first
+    assert v.victim(lambda k: True) == key(0)
+    assert not v.admits(8192, 0, key(1), periodic=True)  # a grid state never displaces a boundary
+    assert v.admits(128, 0, key(0))  # a boundary state displaces any grid state
+    v.used(key(0), True, 4096)  # it served a hit: now a proven state, ranked by worth
+    assert v.victim(lambda k: True) == key(1)
+
+
+def test_the_planner_names_the_grid_positions_no_boundary_needs():
+    from cache_service.coordinator import EagleMode, HybridCoordinator
+    from cache_service.retention import CheckpointPlanner, make_retention
+    from cache_service.specs import CacheLayout, parse_group_spec
+
+    layout = CacheLayout((parse_group_spec("full:16"), parse_group_spec("mamba:64")))
+    dense = CheckpointPlanner(HybridCoordinator(layout, EagleMode.OFF), make_retention("dense", 64))
+    assert dense.checkpoints(300, 300) == (64, 128, 192, 256)
+    assert dense.periodic(300, 300) == {64, 128, 192}  # 256: the replay and final boundary
+    assert dense.periodic(300, 300, junctions=(140,)) == {64, 192}  # 128: a junction's state
+    drop = HybridCoordinator(CacheLayout((*layout.groups, parse_group_spec("draft:16"))), EagleMode.DROP,
+                             drop_rule="alignment")
+    planner = CheckpointPlanner(drop, make_retention("dense", 64))
+    assert planner.periodic(300, 300) == {64, 128}  # 192: one unit below the boundary (drop)
+    latest = CheckpointPlanner(HybridCoordinator(layout, EagleMode.OFF), make_retention("latest", 64))
+    assert latest.periodic(300, 300) == frozenset()

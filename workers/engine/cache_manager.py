@@ -150,11 +150,18 @@ class EngineCacheManager:
         draft_start = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_draft_computed_tokens = draft_start
         req.junctions = self.coordinator.junctions(hit)
-        marks = set(self.planner.checkpoints(req.num_prompt_tokens, req.num_prompt_tokens, req.junctions))
+        plans = [(req.num_prompt_tokens, req.num_prompt_tokens)]
         if req.num_prefill_tokens > req.num_prompt_tokens:  # resuming after a preemption
-            n = req.num_prefill_tokens
-            marks.update(self.planner.checkpoints(n, n, req.junctions))
+            plans.append((req.num_prefill_tokens, req.num_prefill_tokens))
+        marks, grid, needed = set(), set(), set()
+        for n, computed in plans:
+            positions, periodic = self.planner.checkpoints(n, computed, req.junctions), self.planner.periodic(
+                n, computed, req.junctions)
+            marks.update(positions)
+            grid.update(periodic)
+            needed.update(set(positions) - periodic)
         req.checkpoints = tuple(sorted(marks))
+        req.periodic_checkpoints = frozenset(grid - needed)  # grid positions no plan needs
         return True
 
     def hit_sidecar(self, req: Request) -> torch.Tensor:
@@ -219,7 +226,7 @@ class EngineCacheManager:
         """Retain the Mamba state in `page` (the state after `position` tokens) as a checkpoint."""
         if not self.config.enable_prefix_caching:
             return False
-        return self.mamba.snapshot(req.hashes, page, position)
+        return self.mamba.snapshot(req.hashes, page, position, position in req.periodic_checkpoints)
 
     def preempt(self, req: Request) -> None:
         """Give back everything `req` holds, keeping what lets it resume with a hit: its

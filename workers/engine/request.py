@@ -44,6 +44,7 @@ class Request:
     # preemption counts again): the work a hit saved is num_prompt_tokens - this
     num_computed_prompt_tokens: int = 0
     checkpoints: tuple[int, ...] = ()  # planned Mamba snapshot positions
+    periodic_checkpoints: frozenset[int] = frozenset()  # of those, retention grid positions only
     junctions: tuple[int, ...] = ()
     # drafts to verify at the next decode: `num_draft_tokens` of them; their values are in draft_token_ids,
     # or still on the device (drafter.PendingDrafts) while draft_token_ids is empty
