@@ -26,97 +26,32 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               last: O(n), a few times per run as the mean settles). A snapshot worth less than
               the least valuable retained state is not taken.
 
-cost(p) = p + p^2 / (2 * crossover): FLOPs to recompute p tokens, in units of one token's linear
-(SSM + MLP) FLOPs; a token's attention FLOPs equal its linear ones at `crossover` tokens of
-context (from the model's dimensions; inf for a model without attention, or when unknown).
+The interface and the cost model are `eviction_policy.py`; `value` is `value_eviction.py`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
+from cache_service.eviction_policy import (
+    CheckpointEviction,
+    EvictionError,
+    RecomputeCost,
+    StateEntry,
+    learn_position,
+)
+from cache_service.value_eviction import ValueEviction
 
 EVICTION_NAMES = ("lru", "marconi", "value")
-
-Evictable = Callable[[BlockHash], bool | None]  # True: free to evict; False: pinned; None: gone
-
-
-class EvictionError(ValueError):
-    """An unknown eviction policy or a bad parameter."""
-
-
-@dataclass(frozen=True)
-class RecomputeCost:
-    """FLOPs to recompute a prefix, in units of one token's linear FLOPs."""
-
-    crossover_tokens: float = math.inf
-
-    def __call__(self, num_tokens: int) -> float:
-        return num_tokens + num_tokens * num_tokens / (2.0 * self.crossover_tokens)
-
-
-class CheckpointEviction(ABC):
-    """The interface `MambaManager` drives; keys are prefix hashes of retained states."""
-
-    name: str
-
-    def __init__(self, page_bytes: int = 1, cost: RecomputeCost = RecomputeCost()) -> None:
-        self.page_bytes = max(1, page_bytes)
-        self.cost = cost
-        self.now = 0  # admitted requests
-
-    def tick(self) -> None:
-        """A request was admitted: the clock recency is measured in."""
-        self.now += 1
-
-    def gain(self, position: int, parent: int) -> float:
-        """FLOPs per byte a state at `position` saves over the retained one at `parent` below it."""
-        return (self.cost(position) - self.cost(parent)) / self.page_bytes
-
-    @abstractmethod
-    def stored(self, key: BlockHash, position: int, parent: int, periodic: bool = False) -> None:
-        """A snapshot at `position` was retained (`parent`: the nearest reused state below it;
-        `periodic`: a retention grid position, not a boundary a known later request lands on)."""
-
-    @abstractmethod
-    def used(self, key: BlockHash, restored: bool, position: int) -> None:
-        """A retained state at `position` was restored from (`restored`) or snapshotted again.
-        A state adopted without a position (a transfer registered it) learns it here."""
-
-    @abstractmethod
-    def removed(self, key: BlockHash) -> None:
-        """A retained state left the pool (evicted by this policy or behind its back)."""
-
-    @abstractmethod
-    def victim(self, evictable: Evictable) -> BlockHash | None:
-        """The state to evict now among those `evictable` says are free; None if none is."""
-
-    def is_reused(self, key: BlockHash) -> bool:
-        """Whether the retained state `key` has served a hit (a proven shared prefix)."""
-        return False
-
-    def admits(self, position: int, parent: int, victim: BlockHash, periodic: bool = False) -> bool:
-        """With the budget full: is a new snapshot worth more than `victim`? (Default: yes.)"""
-        return True
-
-    def __len__(self) -> int:
-        return len(self.known())
-
-    @abstractmethod
-    def known(self) -> set[BlockHash] | dict:
-        """The keys this policy tracks (the manager adopts pages cached behind its back)."""
 
 
 class LruEviction(CheckpointEviction):
     name = "lru"
 
-    def __init__(self, page_bytes: int = 1, cost: RecomputeCost = RecomputeCost()) -> None:
+    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None) -> None:
         super().__init__(page_bytes, cost)
         self._order: OrderedDict[BlockHash, None] = OrderedDict()
 
@@ -148,37 +83,23 @@ class LruEviction(CheckpointEviction):
         return self._order
 
 
-@dataclass
-class _Entry:
-    position: int
-    gain: float
-    num_reuses: int
-    last_use: int
-    periodic: bool = False
-
-
-def _learn_position(policy: CheckpointEviction, entry: _Entry, position: int) -> None:
-    if not entry.position and position > 0:  # adopted (a transfer): its gain over nothing below
-        entry.position, entry.gain = position, policy.gain(position, 0)
-
-
 class MarconiEviction(CheckpointEviction):
     name = "marconi"
 
-    def __init__(self, page_bytes: int = 1, cost: RecomputeCost = RecomputeCost(), alpha: float = 1.0) -> None:
+    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, alpha: float = 1.0) -> None:
         super().__init__(page_bytes, cost)
         if not alpha >= 0:
             raise EvictionError(f"marconi alpha must be >= 0, got {alpha}")
         self.alpha = alpha
-        self._entries: dict[BlockHash, _Entry] = {}
+        self._entries: dict[BlockHash, StateEntry] = {}
 
     def stored(self, key, position, parent, periodic=False) -> None:
-        self._entries[key] = _Entry(position, self.gain(position, parent), 0, self.now)
+        self._entries[key] = StateEntry(position, self.gain(position, parent), 0, self.now)
 
     def used(self, key, restored, position) -> None:
         entry = self._entries.get(key)
         if entry is not None:
-            _learn_position(self, entry, position)
+            learn_position(self, entry, position)
             entry.last_use = self.now
             entry.num_reuses += int(restored)
 
@@ -214,103 +135,6 @@ class MarconiEviction(CheckpointEviction):
         return self._entries
 
 
-class ValueEviction(CheckpointEviction):
-    name = "value"
-    MIN_TAU = 16.0  # requests: a few quick resends must not make every older state worthless
-
-    def __init__(self, page_bytes: int = 1, cost: RecomputeCost = RecomputeCost(), tau: float = 64.0) -> None:
-        super().__init__(page_bytes, cost)
-        self.tau = tau  # requests: a prior until reuses are seen, then their mean distance
-        self._keyed_tau = tau  # the tau heap keys were computed with
-        self._entries: dict[BlockHash, _Entry] = {}
-        self._heap: list[tuple[tuple[bool, float], int, BlockHash]] = []
-        self._version: dict[BlockHash, int] = {}
-        self._seq = 0
-        self._reuse_sum, self._num_reuses = 0, 0
-
-    def worth(self, key: BlockHash) -> float:
-        """v of the module doc for a retained state, now (explanations, tests)."""
-        e = self._entries[key]
-        return e.gain * (1 + e.num_reuses) * math.exp(-(self.now - e.last_use) / self.tau)
-
-    def _priority(self, entry: _Entry) -> tuple[bool, float]:
-        """(boundary, log worth + last use / tau): grid states go before any boundary state."""
-        return (not entry.periodic or entry.num_reuses > 0,
-                math.log(max(entry.gain, 1e-30) * (1 + entry.num_reuses)) + entry.last_use / self._keyed_tau)
-
-    def _push(self, key: BlockHash, entry: _Entry) -> None:
-        self._seq += 1
-        self._version[key] = self._seq
-        heapq.heappush(self._heap, (self._priority(entry), self._seq, key))
-        if len(self._heap) > 2 * len(self._entries) + 64:  # drop stale entries: amortized O(1)
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        self._keyed_tau = self.tau
-        self._heap = []
-        for key, entry in self._entries.items():
-            self._seq += 1
-            self._version[key] = self._seq
-            self._heap.append((self._priority(entry), self._seq, key))
-        heapq.heapify(self._heap)
-
-    def stored(self, key, position, parent, periodic=False) -> None:
-        entry = self._entries[key] = _Entry(position, self.gain(position, parent), 0, self.now, periodic)
-        self._push(key, entry)
-
-    def used(self, key, restored, position) -> None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        _learn_position(self, entry, position)
-        if restored:
-            self._reuse_sum += self.now - entry.last_use
-            self._num_reuses += 1
-            entry.num_reuses += 1
-            self.tau = max(self.MIN_TAU, self._reuse_sum / self._num_reuses)
-        entry.last_use = self.now
-        if not 0.5 <= self.tau / self._keyed_tau <= 2.0:  # keys drifted: re-key all (rare)
-            self._rebuild()
-        else:
-            self._push(key, entry)
-
-    def removed(self, key) -> None:
-        self._entries.pop(key, None)
-        self._version.pop(key, None)
-
-    def victim(self, evictable):
-        heap, pinned, found = self._heap, [], None
-        while heap:
-            item = heap[0]
-            key = item[2]
-            if self._version.get(key) != item[1]:
-                heapq.heappop(heap)  # superseded by a later push, or removed
-                continue
-            state = evictable(key)
-            if state is None:
-                heapq.heappop(heap)
-                self.removed(key)
-            elif state:
-                found = key
-                break
-            else:
-                pinned.append(heapq.heappop(heap))
-        for item in pinned:
-            heapq.heappush(heap, item)
-        return found
-
-    def is_reused(self, key) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.num_reuses > 0
-
-    def admits(self, position, parent, victim, periodic=False) -> bool:
-        new = _Entry(position, self.gain(position, parent), 0, self.now, periodic)
-        return self._priority(new) > self._priority(self._entries[victim])
-
-    def known(self):
-        return self._entries
-
-
 @dataclass(frozen=True)
 class EvictionConfig:
     """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`) and the model's attention
@@ -328,7 +152,7 @@ class EvictionConfig:
         return make_eviction(self.policy, page_bytes, RecomputeCost(self.crossover_tokens))
 
 
-def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost = RecomputeCost()) -> CheckpointEviction:
+def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = None) -> CheckpointEviction:
     """`lru`, `marconi`, `marconi:ALPHA` or `value`."""
     name, _, arg = str(spec).strip().lower().partition(":")
     if name == "lru" and not arg:

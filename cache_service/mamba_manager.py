@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool, CacheBlock
-from cache_service.eviction import CheckpointEviction, ValueEviction
+from cache_service.eviction_policy import CheckpointEviction
+from cache_service.value_eviction import ValueEviction
 
 
 @dataclass

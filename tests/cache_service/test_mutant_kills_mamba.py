@@ -10,10 +10,11 @@ import pytest
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import BlockPool, PoolExhaustedError
 from cache_service.coordinator import HybridCoordinator
-from cache_service.eviction import ValueEviction, _Entry
+from cache_service.eviction_policy import StateEntry as _Entry
 from cache_service.mamba_manager import MambaManager
 from cache_service.simulate import make_tokens
 from cache_service.specs import CacheLayout, FullAttentionSpec, MambaSpec
+from cache_service.value_eviction import ValueEviction
 
 LAYOUT = CacheLayout((FullAttentionSpec(16), MambaSpec(64)))
 

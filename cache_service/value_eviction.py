@@ -1,0 +1,107 @@
+"""`value`: the eviction policy of retained Mamba states ranked by expected recompute FLOPs saved per
+byte (the formula and why it is a heap: `eviction.py`)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from cache_service.block_hash import BlockHash
+from cache_service.eviction_policy import CheckpointEviction, RecomputeCost, StateEntry, learn_position
+
+
+class ValueEviction(CheckpointEviction):
+    name = "value"
+    MIN_TAU = 16.0  # requests: a few quick resends must not make every older state worthless
+
+    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0) -> None:
+        super().__init__(page_bytes, cost)
+        self.tau = tau  # requests: a prior until reuses are seen, then their mean distance
+        self._keyed_tau = tau  # the tau heap keys were computed with
+        self._entries: dict[BlockHash, StateEntry] = {}
+        self._heap: list[tuple[tuple[bool, float], int, BlockHash]] = []
+        self._version: dict[BlockHash, int] = {}
+        self._seq = 0
+        self._reuse_sum, self._num_reuses = 0, 0
+
+    def worth(self, key: BlockHash) -> float:
+        """v of the module doc for a retained state, now (explanations, tests)."""
+        e = self._entries[key]
+        return e.gain * (1 + e.num_reuses) * math.exp(-(self.now - e.last_use) / self.tau)
+
+    def _priority(self, entry: StateEntry) -> tuple[bool, float]:
+        """(boundary, log worth + last use / tau): grid states go before any boundary state."""
+        return (not entry.periodic or entry.num_reuses > 0,
+                math.log(max(entry.gain, 1e-30) * (1 + entry.num_reuses)) + entry.last_use / self._keyed_tau)
+
+    def _push(self, key: BlockHash, entry: StateEntry) -> None:
+        self._seq += 1
+        self._version[key] = self._seq
+        heapq.heappush(self._heap, (self._priority(entry), self._seq, key))
+        if len(self._heap) > 2 * len(self._entries) + 64:  # drop stale entries: amortized O(1)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._keyed_tau = self.tau
+        self._heap = []
+        for key, entry in self._entries.items():
+            self._seq += 1
+            self._version[key] = self._seq
+            self._heap.append((self._priority(entry), self._seq, key))
+        heapq.heapify(self._heap)
+
+    def stored(self, key, position, parent, periodic=False) -> None:
+        entry = self._entries[key] = StateEntry(position, self.gain(position, parent), 0, self.now, periodic)
+        self._push(key, entry)
+
+    def used(self, key, restored, position) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        learn_position(self, entry, position)
+        if restored:
+            self._reuse_sum += self.now - entry.last_use
+            self._num_reuses += 1
+            entry.num_reuses += 1
+            self.tau = max(self.MIN_TAU, self._reuse_sum / self._num_reuses)
+        entry.last_use = self.now
+        if not 0.5 <= self.tau / self._keyed_tau <= 2.0:  # keys drifted: re-key all (rare)
+            self._rebuild()
+        else:
+            self._push(key, entry)
+
+    def removed(self, key) -> None:
+        self._entries.pop(key, None)
+        self._version.pop(key, None)
+
+    def victim(self, evictable):
+        heap, pinned, found = self._heap, [], None
+        while heap:
+            item = heap[0]
+            key = item[2]
+            if self._version.get(key) != item[1]:
+                heapq.heappop(heap)  # superseded by a later push, or removed
+                continue
+            state = evictable(key)
+            if state is None:
+                heapq.heappop(heap)
+                self.removed(key)
+            elif state:
+                found = key
+                break
+            else:
+                pinned.append(heapq.heappop(heap))
+        for item in pinned:
+            heapq.heappush(heap, item)
+        return found
+
+    def is_reused(self, key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.num_reuses > 0
+
+    def admits(self, position, parent, victim, periodic=False) -> bool:
+        new = StateEntry(position, self.gain(position, parent), 0, self.now, periodic)
+        return self._priority(new) > self._priority(self._entries[victim])
+
+    def known(self):
+        return self._entries
