@@ -13,10 +13,16 @@ from cache_service.eviction_policy import CheckpointEviction, RecomputeCost, Sta
 class ValueEviction(CheckpointEviction):
     name = "value"
     MIN_TAU = 16.0  # requests: a few quick resends must not make every older state worthless
+    # tau per mean reuse distance: reuse distances are heavy-tailed (most reuses come soon, some
+    # much later), so a state idle for one mean distance is still often reused; at 2 a state
+    # loses 1/e of its worth over two means. Measured with `python -m bench.memory_pressure`
+    # (shipped and chat traces, R=1, 10-100% of the working set): 1 lost to Marconi's best alpha
+    # at 10% of the shipped trace (0.146 vs 0.150), 2 won every share there, 4 and 8 lost some.
+    TAU_PER_MEAN_REUSE = 2.0
 
     def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0) -> None:
         super().__init__(page_bytes, cost)
-        self.tau = tau  # requests: a prior until reuses are seen, then their mean distance
+        self.tau = tau  # requests: a prior until reuses are seen, then 2 x their mean distance
         self._keyed_tau = tau  # the tau heap keys were computed with
         self._entries: dict[BlockHash, StateEntry] = {}
         self._heap: list[tuple[tuple[bool, float], int, BlockHash]] = []
@@ -63,7 +69,7 @@ class ValueEviction(CheckpointEviction):
             self._reuse_sum += self.now - entry.last_use
             self._num_reuses += 1
             entry.num_reuses += 1
-            self.tau = max(self.MIN_TAU, self._reuse_sum / self._num_reuses)
+            self.tau = max(self.MIN_TAU, self.TAU_PER_MEAN_REUSE * self._reuse_sum / self._num_reuses)
         entry.last_use = self.now
         if not 0.5 <= self.tau / self._keyed_tau <= 2.0:  # keys drifted: re-key all (rare)
             self._rebuild()

@@ -147,8 +147,8 @@ def test_value_rekeys_its_heap_when_the_reuse_distance_moves_tau():
     v.stored(key(1), 60, 0)
     v.stored(key(2), 1000, 0)
     assert v.victim(lambda k: True) == key(1)  # at tau 64: 100 e^(-20/64) > 60
-    v.now = 36
-    v.used(key(2), True, 1000)  # reused 16 requests later: tau 16
+    v.now = 28
+    v.used(key(2), True, 1000)  # reused 8 requests later: tau = 2 x 8
     assert v.tau == 16.0
     assert v.victim(lambda k: True) == key(0)  # at tau 16: 100 e^(-20/16) < 60
 

@@ -181,8 +181,8 @@ def test_the_value_formula():
         m.restore(f"q{i}", hashes(50 + i), 0)
         m.free(f"q{i}")
     assert e.worth(key) == pytest.approx(128 / 4 / 2.718281828459045)
-    m.restore("r", h, 128)  # a reuse 65 requests after its last use: tau = the mean distance
-    assert (e.tau, e.worth(key)) == (65.0, 128 / 4 * 2)
+    m.restore("r", h, 128)  # a reuse 65 requests after its last use: tau = 2 x the mean distance
+    assert (e.tau, e.worth(key)) == (130.0, 128 / 4 * 2)
     assert m.snapshot(h, 1, 256)  # gain over the retained state at 128: 128 tokens, not 256
     assert e.known()[h.prefix_hash(256)].gain == 128 / 4
 

@@ -1,0 +1,164 @@
+"""`python -m bench.memory_pressure`: token hit rate per eviction policy, budget, trace and cluster
+size: the table issue 28 asks for, with its checks.
+
+    traces    shipped    bench/traces/mooncake_synthetic_trace.jsonl.gz (public Mooncake trace)
+              chat       `hybridserve gen-trace --workload chat --sessions 400 --seed 0`
+              agent      `hybridserve gen-trace --workload agent --sessions 60 --seed 0`
+              (generated into a temporary folder, seeded: the same trace every run)
+    budgets   --shares of the trace's working set (working_set.py), split over the R replicas
+    load      arrivals are spread by R / 16 (`simulate --time-scale R/16`): every R sees the
+              per-replica request rate of the trace at R = 16, so R = 1 is not a queueing test
+    cells     (retention, eviction): latest/lru, latest/marconi, latest/value, and finer grids under
+              value (dense, 512) and lru (dense). `marconi` here is its best setting in hindsight:
+              every alpha in tuning.MARCONI_ALPHAS run on the whole trace, the highest hit rate kept
+              (a stricter bar than the paper's tuning on a prefix, which `simulate` does)
+
+Checks printed under the table (and in the JSON's `checks`):
+    value >= marconi          on every (trace, R, share), both at `latest`
+    value >= 1.5 x lru        at the 25% share, both at `latest`
+    grid >= latest            dense and 512 under value, every budget
+
+Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes. Writes JSON
+(--out) and a Markdown table (--markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from cache_service.trace_sim.cli import DEFAULT_TRACE, build_parser, run_one
+from cache_service.trace_sim.generate import GenConfig, generate, write_trace
+from cache_service.trace_sim.trace import load_trace, scale_requests
+from cache_service.trace_sim.tuning import MARCONI_ALPHAS
+
+CELLS = (("latest", "lru"), ("latest", "marconi"), ("latest", "value"),
+         ("dense", "value"), ("512", "value"), ("dense", "lru"))
+GENERATED = {"chat": GenConfig("chat", 400, seed=0), "agent": GenConfig("agent", 60, seed=0)}
+REFERENCE_REPLICAS = 16
+
+
+def trace_path(name: str, folder: Path) -> Path:
+    """The shipped trace, or a generated one written under `folder`."""
+    if name == "shipped":
+        return DEFAULT_TRACE
+    if name in GENERATED:
+        return write_trace(generate(GENERATED[name]), folder / f"{name}.jsonl.gz")
+    raise ValueError(f"unknown trace {name!r}; expected shipped, {', '.join(GENERATED)}")
+
+
+def run_cell(job: tuple[str, Path, int | None, int, float, str, str]) -> dict:
+    trace, path, limit, replicas, share, retention, eviction = job
+    requests = scale_requests(load_trace(path, limit), 1.0, replicas / REFERENCE_REPLICAS, None)
+    args = build_parser().parse_args(["--replicas", str(replicas), "--memory-share", str(share),
+                                      "--retention", retention, "--no-progress",
+                                      "--time-scale", str(replicas / REFERENCE_REPLICAS)])
+    if eviction == "marconi":  # its best alpha in hindsight
+        runs = [run_one(args, "hybrid", f"marconi:{a}", requests)[0] for a in MARCONI_ALPHAS]
+        summary = max(runs, key=lambda s: s["hit_rate"])
+    else:
+        summary, _ = run_one(args, "hybrid", eviction, requests)
+    return {"trace": trace, "replicas": replicas, "share": share, "retention": retention,
+            "eviction": summary["eviction"], "hit_rate": summary["hit_rate"],
+            "flops_saved_share": summary["flops_saved_share"], "state_turnover": summary["state_turnover"],
+            "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p95_s": summary["ttft_s"]["p95"]}
+
+
+def cell_name(row: dict) -> str:
+    return f"{row['retention']}/{row['eviction'].split(':')[0]}"
+
+
+def checks(rows: list[dict]) -> list[dict]:
+    """One entry per comparison the issue sets, with the two hit rates and whether it holds."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})[cell_name(r)] = r["hit_rate"]
+    out = []
+    for (trace, replicas, share), hits in sorted(by_key.items()):
+        where = {"trace": trace, "replicas": replicas, "share": share}
+        value = hits.get("latest/value")
+        if value is None:
+            continue
+        if "latest/marconi" in hits:
+            out.append(dict(where, check="value >= marconi", left=value, right=hits["latest/marconi"],
+                            holds=value >= hits["latest/marconi"]))
+        if share == 0.25 and "latest/lru" in hits:
+            out.append(dict(where, check="value >= 1.5 x lru", left=value, right=1.5 * hits["latest/lru"],
+                            holds=value >= 1.5 * hits["latest/lru"]))
+        for grid in ("dense/value", "512/value"):
+            if grid in hits:
+                out.append(dict(where, check=f"{grid} >= latest/value", left=hits[grid], right=value,
+                                holds=hits[grid] >= value))
+    return out
+
+
+def markdown(rows: list[dict], found: list[dict]) -> str:
+    names = [f"{r}/{e}" for r, e in CELLS if any(cell_name(x) == f"{r}/{e}" for x in rows)]
+    lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / lru |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})[cell_name(r)] = r["hit_rate"]
+    for (trace, replicas, share), hits in by_key.items():
+        v, m, lru = hits.get("latest/value"), hits.get("latest/marconi"), hits.get("latest/lru")
+        ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
+        lines.append(f"| {trace} | {replicas} | {share:g} | "
+                     + " | ".join(f"{hits[n]:.4f}" if n in hits else "-" for n in names)
+                     + f" | {ratio(v, m)} | {ratio(v, lru)} |")
+    failed = [c for c in found if not c["holds"]]
+    lines.append("")
+    lines.append(f"checks: {len(found) - len(failed)} of {len(found)} hold")
+    for c in failed:
+        lines.append(f"- fails: {c['check']} on {c['trace']} R={c['replicas']} share {c['share']:g}: "
+                     f"{c['left']:.4f} vs {c['right']:.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.memory_pressure", description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", default="shipped,chat")
+    p.add_argument("--replicas", default="1,16")
+    p.add_argument("--shares", default="0.1,0.25,0.5,1.0")
+    p.add_argument("--cells", default=",".join(f"{r}/{e}" for r, e in CELLS),
+                   help="retention/eviction pairs, comma-separated")
+    p.add_argument("--limit", type=int, default=None, help="only each trace's first N requests")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.add_argument("--markdown", default=None)
+    args = p.parse_args(argv)
+    folder = tempfile.TemporaryDirectory(prefix="memory-pressure-")
+    try:
+        cells = [tuple(c.split("/", 1)) for c in args.cells.split(",")]
+        if any(len(c) != 2 for c in cells):
+            raise ValueError(f"--cells takes retention/eviction pairs, got {args.cells!r}")
+        paths = {t: trace_path(t, Path(folder.name)) for t in args.traces.split(",")}
+        jobs = [(t, path, args.limit, int(r), float(s), ret, ev) for t, path in paths.items()
+                for r in args.replicas.split(",") for s in args.shares.split(",") for ret, ev in cells]
+    except ValueError as exc:
+        folder.cleanup()
+        print(f"bench.memory_pressure: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    with folder, ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for i, row in enumerate(pool.map(run_cell, jobs), 1):
+            rows.append(row)
+            print(f"[{i}/{len(jobs)}] {row['trace']} R={row['replicas']} share {row['share']:g} "
+                  f"{cell_name(row)}: {row['hit_rate']:.4f}", file=sys.stderr)
+    found = checks(rows)
+    table = markdown(rows, found)
+    print(table, file=sys.stderr)
+    text = json.dumps({"rows": rows, "checks": found}, indent=2)
+    print(text)
+    for path, content in ((args.out, text + "\n"), (args.markdown, table)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(content)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""`python -m bench.memory_pressure` end to end on a trace prefix, and its checks on rows made to
+hold and to fail."""
+
+import json
+
+from bench.memory_pressure import checks, main, markdown
+
+
+def row(trace, share, retention, eviction, hit_rate, replicas=1):
+    return {"trace": trace, "replicas": replicas, "share": share, "retention": retention,
+            "eviction": eviction, "hit_rate": hit_rate}
+
+
+def test_table_runs_every_cell_on_both_traces_and_reports_the_checks(capsys, tmp_path):
+    md = tmp_path / "table.md"
+    assert main(["--limit", "60", "--jobs", "1", "--replicas", "1,2", "--shares", "0.25",
+                 "--cells", "latest/lru,latest/marconi,latest/value,dense/value",
+                 "--markdown", str(md)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cells = {(r["trace"], r["replicas"], r["retention"], r["eviction"].split(":")[0]) for r in report["rows"]}
+    assert cells == {(t, n, ret, ev) for t in ("shipped", "chat") for n in (1, 2)
+                     for ret, ev in (("latest", "lru"), ("latest", "marconi"), ("latest", "value"),
+                                     ("dense", "value"))}
+    assert all(0.0 <= r["hit_rate"] <= 1.0 for r in report["rows"])
+    # marconi is its best alpha: a number was chosen, not the untuned default name
+    assert all(":" in r["eviction"] for r in report["rows"] if r["eviction"].startswith("marconi"))
+    # per (trace, R): value vs marconi, value vs 1.5 lru (share 0.25), dense vs latest
+    assert len(report["checks"]) == 4 * 3
+    text = md.read_text()
+    assert text.count("\n| shipped |") == 2 and text.count("\n| chat |") == 2
+    assert f"checks: {sum(c['holds'] for c in report['checks'])} of 12 hold" in text
+
+
+def test_checks_compare_the_right_cells_and_report_failures():
+    rows = [row("t", 0.25, "latest", "lru", 0.10), row("t", 0.25, "latest", "marconi:2.0", 0.12),
+            row("t", 0.25, "latest", "value", 0.14), row("t", 0.25, "dense", "value", 0.13),
+            row("t", 0.5, "latest", "lru", 0.2), row("t", 0.5, "latest", "value", 0.21)]
+    found = {(c["share"], c["check"]): c for c in checks(rows)}
+    assert set(found) == {(0.25, "value >= marconi"), (0.25, "value >= 1.5 x lru"),
+                          (0.25, "dense/value >= latest/value"), }
+    assert found[(0.25, "value >= marconi")]["holds"]
+    assert not found[(0.25, "value >= 1.5 x lru")]["holds"]  # 0.14 < 0.15
+    assert found[(0.25, "value >= 1.5 x lru")]["right"] == 1.5 * 0.10
+    assert not found[(0.25, "dense/value >= latest/value")]["holds"]
+    table = markdown(rows, checks(rows))
+    assert "checks: 1 of 3 hold" in table
+    assert "fails: value >= 1.5 x lru on t R=1 share 0.25" in table
+    assert "| t | 1 | 0.25 | 0.1000 | 0.1200 | 0.1400 | 0.1300 |" in table
+
+
+def test_bad_arguments_are_refused_with_a_message(capsys):
+    assert main(["--traces", "nope"]) == 2
+    assert "unknown trace 'nope'" in capsys.readouterr().err
+    assert main(["--cells", "latest"]) == 2
+    assert "retention/eviction pairs" in capsys.readouterr().err
