@@ -17,7 +17,8 @@ class ValueEviction(CheckpointEviction):
     # much later), so a state idle for one mean distance is still often reused; at 2 a state
     # loses 1/e of its worth over two means. Measured with `python -m bench.memory_pressure`
     # (shipped and chat traces, R=1, 10-100% of the working set): 1 lost to Marconi's best alpha
-    # at 10% of the shipped trace (0.146 vs 0.150), 2 won every share there, 4 and 8 lost some.
+    # at 10% of the shipped trace (0.146 vs 0.150); 2 won every cell but chat at 100% (by 1e-4);
+    # 3 and 8 lost some (docs/DEVLOG.md has the figures).
     TAU_PER_MEAN_REUSE = 2.0
 
     def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0) -> None:
