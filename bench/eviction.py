@@ -5,6 +5,8 @@
                the new state stored, a retained state restored. `value` and `lru` at 10k and 1M
                states (value keeps a heap: O(log n); the ratio 1M / 10k shows it); `marconi` is
                O(n) as published (its normalization reads every candidate), timed at 10k and 100k.
+               Mean, median, p99 and max per decision: value's mean includes its rare O(n)
+               re-keyings (tau doubled or halved), its median the heap alone.
     simulator  `hybridserve simulate` on the shipped trace (R=1, 96 GiB, dense retention: the most
                evictions) with each policy: simulated requests per CPU second, and value's as a
                ratio of lru's (target >= 0.8).
@@ -46,9 +48,13 @@ def decision_cost(policy_name: str, num_states: int, num_decisions: int, seed: i
     free = index.__contains__
     next_key = num_states
 
+    times: list[float] = []
+
     def decide(count: int) -> None:
         nonlocal next_key
+        clock = time.perf_counter
         for _ in range(count):
+            start = clock()
             policy.tick()
             victim = policy.victim(free)
             policy.removed(victim)
@@ -59,13 +65,17 @@ def decision_cost(policy_name: str, num_states: int, num_decisions: int, seed: i
             index[new] = j
             policy.stored(new, 64 * rng.randrange(1, 512), 0)
             policy.used(live[rng.randrange(num_states)], True, 64)
+            times.append(clock() - start)
 
     decide(min(num_decisions, 1000))  # warm-up: value's tau settles from its prior (one re-keying)
-    start = time.perf_counter()
+    times.clear()
     decide(num_decisions)
-    elapsed = time.perf_counter() - start
+    ordered = sorted(times)
     return {"policy": policy_name, "num_states": num_states, "num_decisions": num_decisions,
-            "us_per_decision": elapsed / num_decisions * 1e6}
+            "us_per_decision": sum(times) / num_decisions * 1e6,
+            "us_median": ordered[len(ordered) // 2] * 1e6,
+            "us_p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6,
+            "us_max": ordered[-1] * 1e6}
 
 
 def simulator_rate(eviction: str, limit: int) -> dict:
@@ -99,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["policy"] == name]
         if len(mine) > 1:
             out[f"{name}_growth"] = mine[-1]["us_per_decision"] / mine[0]["us_per_decision"]
-    print(f"{'policy':8} {'states':>9} {'us/decision':>12}", file=sys.stderr)
+            out[f"{name}_median_growth"] = mine[-1]["us_median"] / mine[0]["us_median"]
+    print(f"{'policy':8} {'states':>9} {'us mean':>10} {'median':>8} {'p99':>8} {'max':>10}", file=sys.stderr)
     for r in rows:
-        print(f"{r['policy']:8} {r['num_states']:>9} {r['us_per_decision']:>12.2f}", file=sys.stderr)
+        print(f"{r['policy']:8} {r['num_states']:>9} {r['us_per_decision']:>10.2f} {r['us_median']:>8.2f} "
+              f"{r['us_p99']:>8.2f} {r['us_max']:>10.0f}", file=sys.stderr)
     if args.sim_requests:
         sims = [simulator_rate(name, args.sim_requests) for name in ("lru", "value")]
         out["simulator"] = sims
