@@ -9,9 +9,10 @@ size: the table issue 28 asks for, with its checks.
     load      arrivals are spread by R / 16 (`simulate --time-scale R/16`): every R sees the
               per-replica request rate of the trace at R = 16, so R = 1 is not a queueing test
     cells     (retention, eviction): latest/lru, latest/marconi, latest/value, and finer grids under
-              value (dense, 512) and lru (dense). `marconi` here is its best setting in hindsight:
-              every alpha in tuning.MARCONI_ALPHAS run on the whole trace, the highest hit rate kept
-              (a stricter bar than the paper's tuning on a prefix, which `simulate` does)
+              value (dense, 512); `--cells` adds others (dense/lru: the old collapse). `marconi`
+              here is its best setting in hindsight: every alpha in tuning.MARCONI_ALPHAS run on
+              the whole trace, the highest hit rate kept (a stricter bar than the paper's tuning
+              on a prefix, which `simulate` does)
 
 Checks printed under the table (and in the JSON's `checks`):
     value >= marconi          on every (trace, R, share), both at `latest`
@@ -37,7 +38,8 @@ from cache_service.trace_sim.trace import load_trace, scale_requests
 from cache_service.trace_sim.tuning import MARCONI_ALPHAS
 
 CELLS = (("latest", "lru"), ("latest", "marconi"), ("latest", "value"),
-         ("dense", "value"), ("512", "value"), ("dense", "lru"))
+         ("dense", "value"), ("512", "value"), ("dense", "lru"))  # the table's column order
+DEFAULT_CELLS = CELLS[:5]
 GENERATED = {"chat": GenConfig("chat", 400, seed=0), "agent": GenConfig("agent", 60, seed=0)}
 REFERENCE_REPLICAS = 16
 
@@ -53,10 +55,11 @@ def trace_path(name: str, folder: Path) -> Path:
 
 def run_cell(job: tuple[str, Path, int | None, int, float, str, str]) -> dict:
     trace, path, limit, replicas, share, retention, eviction = job
-    requests = scale_requests(load_trace(path, limit), 1.0, replicas / REFERENCE_REPLICAS, None)
+    time_scale = replicas / REFERENCE_REPLICAS
+    requests = scale_requests(load_trace(path, limit), 1.0, time_scale, None)
     args = build_parser().parse_args(["--replicas", str(replicas), "--memory-share", str(share),
                                       "--retention", retention, "--no-progress",
-                                      "--time-scale", str(replicas / REFERENCE_REPLICAS)])
+                                      "--time-scale", str(time_scale)])  # recorded in the summary
     if eviction == "marconi":  # its best alpha in hindsight
         runs = [run_one(args, "hybrid", f"marconi:{a}", requests)[0] for a in MARCONI_ALPHAS]
         summary = max(runs, key=lambda s: s["hit_rate"])
@@ -72,13 +75,18 @@ def cell_name(row: dict) -> str:
     return f"{row['retention']}/{row['eviction'].split(':')[0]}"
 
 
-def checks(rows: list[dict]) -> list[dict]:
-    """One entry per comparison the issue sets, with the two hit rates and whether it holds."""
+def hit_rates(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """(trace, R, share) -> cell name -> hit rate, in the rows' order."""
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
         by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})[cell_name(r)] = r["hit_rate"]
+    return by_key
+
+
+def checks(rows: list[dict]) -> list[dict]:
+    """One entry per comparison the issue sets, with the two hit rates and whether it holds."""
     out = []
-    for (trace, replicas, share), hits in sorted(by_key.items()):
+    for (trace, replicas, share), hits in sorted(hit_rates(rows).items()):
         where = {"trace": trace, "replicas": replicas, "share": share}
         value = hits.get("latest/value")
         if value is None:
@@ -97,13 +105,12 @@ def checks(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], found: list[dict]) -> str:
-    names = [f"{r}/{e}" for r, e in CELLS if any(cell_name(x) == f"{r}/{e}" for x in rows)]
+    present = list(dict.fromkeys(cell_name(x) for x in rows))
+    known = [f"{r}/{e}" for r, e in CELLS]
+    names = [n for n in known if n in present] + [n for n in present if n not in known]
     lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / lru |",
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
-    by_key: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})[cell_name(r)] = r["hit_rate"]
-    for (trace, replicas, share), hits in by_key.items():
+    for (trace, replicas, share), hits in hit_rates(rows).items():
         v, m, lru = hits.get("latest/value"), hits.get("latest/marconi"), hits.get("latest/lru")
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
         lines.append(f"| {trace} | {replicas} | {share:g} | "
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", default="shipped,chat")
     p.add_argument("--replicas", default="1,16")
     p.add_argument("--shares", default="0.1,0.25,0.5,1.0")
-    p.add_argument("--cells", default=",".join(f"{r}/{e}" for r, e in CELLS),
+    p.add_argument("--cells", default=",".join(f"{r}/{e}" for r, e in DEFAULT_CELLS),
                    help="retention/eviction pairs, comma-separated")
     p.add_argument("--limit", type=int, default=None, help="only each trace's first N requests")
     p.add_argument("--jobs", type=int, default=2)

@@ -3,7 +3,10 @@ hold and to fail."""
 
 import json
 
+import bench.memory_pressure as mp
 from bench.memory_pressure import checks, main, markdown
+from cache_service.trace_sim.cli import DEFAULT_TRACE
+from cache_service.trace_sim.tuning import MARCONI_ALPHAS
 
 
 def row(trace, share, retention, eviction, hit_rate, replicas=1):
@@ -53,3 +56,27 @@ def test_bad_arguments_are_refused_with_a_message(capsys):
     assert "unknown trace 'nope'" in capsys.readouterr().err
     assert main(["--cells", "latest"]) == 2
     assert "retention/eviction pairs" in capsys.readouterr().err
+
+
+def test_marconi_cell_keeps_the_best_alpha_of_every_run(monkeypatch):
+    """Every alpha is run on the same requests and the highest hit rate is kept (ties: the first,
+    the smallest alpha); `run_one` is replaced to isolate the choice."""
+    rates = {0.5: 0.3, 2.0: 0.4, 4.0: 0.4}
+    seen = []
+
+    def fake_run_one(args, policy, eviction, requests):
+        seen.append((eviction, len(requests), args.replicas, args.memory_share))
+        alpha = float(eviction.split(":")[1])
+        return {"eviction": eviction, "hit_rate": rates.get(alpha, 0.1), "flops_saved_share": 0.0,
+                "state_turnover": 0.0, "ttft_s": {"p50": 0.0, "p95": 0.0}}, []
+
+    monkeypatch.setattr(mp, "run_one", fake_run_one)
+    got = mp.run_cell(("shipped", DEFAULT_TRACE, 30, 2, 0.25, "latest", "marconi"))
+    assert [e for e, *_ in seen] == [f"marconi:{a}" for a in MARCONI_ALPHAS]
+    assert {(n, r, s) for _, n, r, s in seen} == {(30, 2, 0.25)}  # one cell's requests and budget
+    assert (got["eviction"], got["hit_rate"]) == ("marconi:2.0", 0.4)
+
+
+def test_a_cell_outside_the_known_columns_still_gets_a_column():
+    rows = [row("t", 0.25, "latest", "value", 0.14), row("t", 0.25, "2048", "value", 0.15)]
+    assert "| trace | R | share | latest/value | 2048/value |" in markdown(rows, checks(rows))
