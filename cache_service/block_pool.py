@@ -12,12 +12,21 @@ recomputed past a hit whose first copy is cached elsewhere, a working Mamba page
 reusing them costs nothing, so they are taken before any cached block is evicted. The null
 block is a real object (never -1): it pads block tables for sliding-window positions that hold
 nothing, is never freed, cached or evicted.
+
+    free queue   empty blocks (head) | cached blocks kept, LRU order (tail: most recent)
+    spare queue  cached blocks the pool's `keeps` hook says no hit can use now (an attention
+                 block above every retained Mamba state of its prefix: `kv_support.py`), in the
+                 order they became spare; taken after the empty blocks, before any kept one
+
+Without a `keeps` hook (a model with no Mamba group, the `lru` policy) the spare queue stays
+empty and every cached block is evicted in LRU order. The hook's owner calls `reconsider` when
+its answer for a cached hash changes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from cache_service.block_hash import BlockHash
 from cache_service.events import EventSink
@@ -50,8 +59,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned forever
         self._free: OrderedDict[int, CacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._spare: OrderedDict[int, CacheBlock] = OrderedDict()  # free, cached, not kept
         self.cached: dict[BlockHash, CacheBlock] = {}
         self._num_free_empty = num_blocks - 1  # free blocks that hold no cached hash
+        self.keeps: Callable[[BlockHash], bool] | None = None  # None: every cached block is kept
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -60,7 +71,12 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._spare)
+
+    @property
+    def num_spare_blocks(self) -> int:
+        """Free cached blocks no hit can use now (evicted right after the empty ones)."""
+        return len(self._spare)
 
     @property
     def num_free_empty_blocks(self) -> int:
@@ -72,17 +88,20 @@ class BlockPool:
         return len(self.cached)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= len(self._free) + len(self._spare)
 
     # ---- allocation -----------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[CacheBlock]:
         """Take `num_blocks` blocks (ref_cnt 1 each) from the head of the free queue: blocks that
-        hold nothing first (`free` puts them there), then cached ones in LRU order, evicted."""
+        hold nothing first (`free` puts them there), then spare ones, then kept ones in LRU order,
+        evicted."""
         if not self.can_allocate(num_blocks):
-            raise PoolExhaustedError(f"group {self.group_id}: {num_blocks} blocks asked, {len(self._free)} free")
+            raise PoolExhaustedError(f"group {self.group_id}: {num_blocks} blocks asked, "
+                                     f"{self.num_free_blocks} free")
         out, evicted = [], []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
+            queue = self._spare if self._spare and not self._num_free_empty else self._free
+            _, block = queue.popitem(last=False)
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 self._uncache(block)
@@ -99,7 +118,8 @@ class BlockPool:
             if block is self.null_block:
                 continue
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if self._spare.pop(block.block_id, None) is None:
+                    del self._free[block.block_id]
                 self._num_free_empty -= block.block_hash is None
             block.ref_cnt += 1
 
@@ -114,10 +134,26 @@ class BlockPool:
                 raise ValueError(f"double free of {block!r} in group {self.group_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
                 if block.block_hash is None:
+                    self._free[block.block_id] = block
                     self._free.move_to_end(block.block_id, last=False)
                     self._num_free_empty += 1
+                elif self.keeps is None or self.keeps(block.block_hash):
+                    self._free[block.block_id] = block
+                else:
+                    self._spare[block.block_id] = block
+
+    def reconsider(self, block_hash: BlockHash) -> None:
+        """The `keeps` hook's answer for `block_hash` may have changed: a free block holding it
+        moves between the spare queue and the kept queue's tail (most recent)."""
+        block = self.cached.get(block_hash)
+        if block is None or block.ref_cnt or self.keeps is None:
+            return
+        keep = self.keeps(block_hash)
+        if keep and self._spare.pop(block.block_id, None) is not None:
+            self._free[block.block_id] = block
+        elif not keep and self._free.pop(block.block_id, None) is not None:
+            self._spare[block.block_id] = block
 
     # ---- caching --------------------------------------------------------------------------
     def get_cached(self, block_hash: BlockHash) -> CacheBlock | None:
@@ -132,7 +168,10 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self._num_free_empty -= block.ref_cnt == 0
+        if block.ref_cnt == 0:  # a free empty block becomes a cached one: the kept queue's tail
+            self._num_free_empty -= 1
+            self._free.move_to_end(block.block_id)
+            self.reconsider(block_hash)
         self.events.stored(self.group_id, (block_hash,))
         return True
 
@@ -142,6 +181,8 @@ class BlockPool:
         if block is None or block.ref_cnt:
             return False
         self._uncache(block)
+        if self._spare.pop(block.block_id, None) is not None:
+            self._free[block.block_id] = block
         self._free.move_to_end(block.block_id, last=False)  # now empty: reused before any cached block
         self._num_free_empty += 1
         self.events.removed(self.group_id, (block_hash,))
@@ -149,8 +190,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no block is in use. Emits one `cleared` event."""
-        if len(self._free) != self.num_blocks - 1:
+        if self.num_free_blocks != self.num_blocks - 1:
             return False
+        self._free.update(self._spare)
+        self._spare.clear()
         for block in list(self.cached.values()):
             self._uncache(block)
         self._num_free_empty = len(self._free)
@@ -166,15 +209,24 @@ class BlockPool:
         """Raise AssertionError if any pool invariant is broken (used by tests after each step)."""
         null = self.null_block
         assert null.ref_cnt >= 1 and null.block_hash is None and null.block_id not in self._free, "null block"
+        assert not self._free.keys() & self._spare.keys(), "a block in both free queues"
         for block in self.blocks[1:]:
-            in_free = block.block_id in self._free
+            in_free = block.block_id in self._free or block.block_id in self._spare
             assert block.ref_cnt >= 0, f"negative ref count: {block!r}"
             assert in_free == (block.ref_cnt == 0), f"free-queue membership wrong: {block!r}"
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"cached map misses {block!r}"
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"stale cached entry for {block!r}"
-        assert all(self._free[i] is self.blocks[i] for i in self._free), "free queue holds foreign blocks"
+        assert all(q[i] is self.blocks[i] for q in (self._free, self._spare) for i in q), \
+            "free queue holds foreign blocks"
+        assert all(b.block_hash is not None for b in self._spare.values()), "an empty block in the spare queue"
+        if self.keeps is not None:
+            assert not any(self.keeps(b.block_hash) for b in self._spare.values()), "a kept block in the spare queue"
+            assert all(b.block_hash is None or self.keeps(b.block_hash) for b in self._free.values()), \
+                "a spare block in the kept queue"
+        else:
+            assert not self._spare, "spare blocks without a keeps hook"
         cached = [b.block_hash is not None for b in self._free.values()]
         assert self._num_free_empty == cached.count(False), "count of empty free blocks wrong"
         assert cached == sorted(cached), "an empty free block waits behind a cached one (it must be reused first)"

@@ -26,6 +26,11 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               last: O(n), a few times per run as the mean settles). A snapshot worth less than
               the least valuable retained state is not taken.
 
+KV blocks: under `value` and `marconi` (whose radix tree drops a node's KV with its state) a
+cached attention block above every retained state of its prefix can serve no hit, so it is
+evicted before any other cached block (`kv_support.py`, `BlockPool`'s spare queue); under `lru`
+every attention block is evicted in LRU order, blind to the states.
+
 The interface and the cost model are `eviction_policy.py`; `value` is `value_eviction.py`.
 """
 
@@ -142,6 +147,12 @@ class EvictionConfig:
 
     policy: str = "value"
     crossover_tokens: float = math.inf
+
+    @property
+    def joint_kv(self) -> bool:
+        """Whether attention blocks no retained state makes usable go first (`kv_support.py`):
+        value and marconi (whose radix tree evicts a node's KV with its state); lru is blind."""
+        return self.build().name != "lru"
 
     def __post_init__(self) -> None:
         if not self.crossover_tokens > 0:

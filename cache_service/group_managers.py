@@ -31,6 +31,7 @@ from cache_service.block_pool import BlockPool, CacheBlock
 from cache_service.coordinator import EagleMode, HybridCoordinator
 from cache_service.eviction import EvictionConfig
 from cache_service.hit_finders import DropRule
+from cache_service.kv_support import KvSupport
 from cache_service.mamba_manager import MambaManager
 from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
 
@@ -225,17 +226,25 @@ class GroupManagers:
 
     def __init__(self, coordinator: HybridCoordinator, pools: Sequence[BlockPool], backend: PageBackend | None = None,
                  mamba_options: dict | None = None, eviction: EvictionConfig | None = None) -> None:
-        """`eviction`: the policy of every Mamba group's retained checkpoints (one object each)."""
+        """`eviction`: the policy of every Mamba group's retained checkpoints (one object each);
+        unless it is `lru`, attention blocks above every retained state of their prefix are
+        evicted first (`support`, `kv_support.py`)."""
         backend = backend or NullPageBackend()
         eviction = eviction or EvictionConfig()
         self.coordinator = coordinator
         self.managers = []
-        for g, (spec, pool) in enumerate(zip(coordinator.layout.groups, pools)):
+        groups = coordinator.layout.groups
+        self.support: KvSupport | None = None
+        if eviction.joint_kv and any(s.is_attention for s in groups) and not all(s.is_attention for s in groups):
+            reach = coordinator.alignment if coordinator.any_group_drops else 0
+            self.support = KvSupport([p for s, p in zip(groups, pools) if s.is_attention], reach)
+        for g, (spec, pool) in enumerate(zip(groups, pools)):
             cls = MANAGER_BY_KIND[type(spec)]
             extra = {}
             if cls is MambaManager:
                 extra = dict(mamba_options or {})
                 extra["eviction"] = eviction.build(extra.get("page_size_bytes", 1))
+                extra["support"] = self.support
             self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
 
     def of_kind(self, kind: str) -> list:

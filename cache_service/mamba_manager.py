@@ -12,7 +12,8 @@ Working, boundary and verify pages are in use (ref_cnt > 0) and never evicted. R
 checkpoints are: at most `max_retained_pages` of them (the byte budget), and when one must go
 (the budget is full, or a page is needed and only cached ones are free) the eviction policy
 (`eviction.py`: lru, marconi or value) names it; a snapshot the policy does not admit is not
-taken (`num_snapshots_skipped`).
+taken (`num_snapshots_skipped`). Every retained state is reported to `support`
+(`kv_support.py`, when the policy values KV jointly): the attention blocks it makes usable.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.block_pool import BlockPool, CacheBlock
 from cache_service.eviction_policy import CheckpointEviction
+from cache_service.kv_support import KvSupport
 from cache_service.value_eviction import ValueEviction
 
 
@@ -36,7 +38,7 @@ class MambaSlots:
 class MambaManager:
     def __init__(self, group_id, spec, pool: BlockPool, coordinator, backend, num_verify_pages: int = 0,
                  max_retained_pages: int | None = None, page_size_bytes: int = 1,
-                 eviction: CheckpointEviction | None = None) -> None:
+                 eviction: CheckpointEviction | None = None, support: KvSupport | None = None) -> None:
         self.group_id, self.spec, self.pool = group_id, spec, pool
         self.coordinator, self.backend = coordinator, backend
         self.block_size = spec.block_size
@@ -45,6 +47,7 @@ class MambaManager:
         self.page_size_bytes = max(1, page_size_bytes)
         self.slots: dict[str, MambaSlots] = {}
         self.eviction = eviction if eviction is not None else ValueEviction(self.page_size_bytes)
+        self.support = support
         self.num_snapshots = 0
         self.num_snapshots_skipped = 0
         self.num_evictions = 0
@@ -157,6 +160,8 @@ class MambaManager:
         self.pool.cache_block(page, key)
         self.pool.free([page])
         self.eviction.stored(key, position, parent, periodic)
+        if self.support is not None:
+            self.support.stored(self.group_id, key, hashes, position)
         self.num_snapshots += 1
         return True
 
@@ -189,13 +194,19 @@ class MambaManager:
         if len(known) != len(cached):  # O(1) unless something changed behind the policy's back
             for key in known.keys() - cached.keys():
                 self.eviction.removed(key)
+                if self.support is not None:
+                    self.support.removed(self.group_id, key)
             for key in cached.keys() - known.keys():
                 self.eviction.stored(key, 0, 0)
+                if self.support is not None:
+                    self.support.stored(self.group_id, key, None, 0)
 
     def _evict(self, block: CacheBlock) -> None:
         key = block.block_hash
         self.pool.evict(key)
         self.eviction.removed(key)
+        if self.support is not None:
+            self.support.removed(self.group_id, key)
         self.num_evictions += 1
 
     def _num_free_uncached(self) -> int:
