@@ -46,29 +46,37 @@ def test_recency_lowers_value_and_reuse_raises_it():
     m = make_manager(10, budget=2)
     old, new = hashes(1), hashes(2)
     m.snapshot(old, 0, 256)
-    for i in range(100):  # many requests pass (tau stays at its floor of 16 requests: no reuse yet)
+    for i in range(100):  # many requests pass (tau stays at its prior of 64 requests: no reuse yet)
         m.restore(f"q{i}", hashes(100 + i), 0)
         m.free(f"q{i}")
     m.snapshot(new, 0, 192)
-    assert m.snapshot(hashes(3), 0, 192)  # fresh: beats the stale 256 (e^-100/16 of its worth)
+    assert m.snapshot(hashes(3), 0, 192)  # fresh: beats the stale 256 (e^-100/64 of its worth)
     assert old.prefix_hash(256) not in m.pool.cached and new.prefix_hash(192) in m.pool.cached
 
 
 def test_snapshots_do_not_age_retained_states():
     """The old rule counted age in snapshots: one request's own fine-grid snapshots aged the
-    shared system prompt's state out. Age is counted in requests now."""
+    shared system prompt's state out. Age is counted in requests now: a retained state's worth is
+    the same after one snapshot of a request as after seven."""
     m = make_manager(10, budget=2)
     shared, busy = hashes(1), hashes(2)
     m.snapshot(shared, 0, 256)
-    m.restore("s", shared, 256)  # a system prompt's state: it has served a hit
-    m.free("s")
+    for i in range(3):  # a system prompt's state: it has served three hits, one per request
+        m.restore(f"s{i}", shared, 256)
+        m.free(f"s{i}")
     m.restore("r", busy, 0)  # one request ...
+    key = shared.prefix_hash(256)
+    worth = m.eviction.worth(key)
     for position in range(64, 512, 64):  # ... snapshots a dense grid: 7 snapshots, one tick
         m.snapshot(busy, 0, position)
+        assert m.eviction.worth(key) == worth
     # each grid state (no hit served below it) is worth its whole prefix, so it replaces the one
-    # before it, the cheapest; the shared state (256 tokens x 2 for its reuse) stays
-    assert set(m.pool.cached) == {shared.prefix_hash(256), busy.prefix_hash(448)}
+    # before it, the cheapest; the shared state (256 tokens x 4 for its reuses, one request old)
+    # stays at any tau >= 1 request
+    assert set(m.pool.cached) == {key, busy.prefix_hash(448)}
     assert (m.num_snapshots, m.num_snapshots_skipped, m.num_evictions) == (8, 0, 6)
+    m.restore("next", hashes(3), 0)  # the next request: now the state is older
+    assert m.eviction.worth(key) < worth
 
 
 def test_working_states_are_never_evicted_and_pool_pressure_evicts_by_value():

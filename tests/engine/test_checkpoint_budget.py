@@ -1,6 +1,8 @@
 """The engine keeps retained Mamba checkpoints within checkpoint_memory_fraction of the cache
 memory (evicting by expected value), stays exact on hits, and reports both on /metrics."""
 
+import pytest
+
 from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling_params import SamplingParams
@@ -25,3 +27,31 @@ def test_retained_checkpoints_stay_within_the_byte_budget(tiny_model):
     metrics.attach_engine_stats(engine.stats)
     assert metrics.registry.get_sample_value("hybridserve_engine_retained_checkpoint_bytes") == 3 * page
     assert metrics.registry.get_sample_value("hybridserve_engine_num_retained_checkpoints") == 3
+
+
+@pytest.mark.parametrize("eviction", ["value", "lru"])
+def test_under_kv_pressure_blocks_above_every_retained_state_go_first(tiny_model, eviction):
+    """A and B each leave a state at 256 and two KV blocks above it (no hit can use those); C then
+    needs 4 blocks more than are empty. `value` evicts the 4 unusable blocks and A's resend still
+    hits 256 tokens, byte-identical to its cold run; `lru` evicts A's oldest blocks, which breaks
+    A's hit. Wrong changes this catches: the engine's attention pools without the joint-KV hook,
+    spare blocks taken after kept ones, or a spare block whose state comes back left spare."""
+    memory = 4 * 2**20
+    page = tiny_model.state_bytes_per_slot()
+    engine = make_engine(tiny_model, num_spec_tokens=0, retention="latest", eviction=eviction, max_model_len=512,
+                         cache_memory_bytes=memory, mamba_memory_fraction=0.6,
+                         checkpoint_memory_fraction=3 * page / memory + 1e-9)
+    kv = engine.cache.pools[0]
+    assert engine.cache.layout.groups[0].is_attention and engine.cache.mamba.max_retained_pages == 3
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    a, b = make_prompt(300, 1), make_prompt(300, 2)
+    (cold,) = engine.generate([a], params)
+    engine.generate([b], params)
+    assert kv.num_spare_blocks == (4 if eviction == "value" else 0)  # blocks ending at 272 and 288, each
+    engine.generate([make_prompt((kv.num_free_empty_blocks + 4) * 16 - 8, 3)], params)
+    computed = engine.num_computed_prompt_tokens
+    (warm,) = engine.generate([a], params)
+    assert warm.token_ids == cold.token_ids
+    assert warm.num_cached_tokens == (256 if eviction == "value" else 0)
+    assert engine.num_computed_prompt_tokens - computed == 300 - warm.num_cached_tokens
+    kv.check_integrity()

@@ -1,11 +1,14 @@
 """The engine evicts exactly what the trace simulator evicts: one request sequence through a real
 `LLMEngine` (tiny NemotronH, prefill-only requests) and through a simulated replica with the same
 layout, pool sizes, retention and eviction policy leaves the same retained Mamba states after
-every request, with the same eviction counts and the same policy bookkeeping, in every EAGLE mode.
+every request, with the same eviction counts and the same policy bookkeeping, and the same cached
+KV blocks with the same ones spare (above every retained state: `kv_support.py`), in every EAGLE
+mode.
 
 Wrong changes this catches: the engine building its Mamba managers with another policy than its
 config names (or the default), the simulator ignoring `--eviction`, either side ticking the
-policy's clock on something other than an admitted request, or snapshotting somewhere else."""
+policy's clock on something other than an admitted request, or snapshotting somewhere else, or
+either side not valuing KV jointly with the states (or doing it under `lru`)."""
 
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
     # last chunk undrafted, the simulator's trace requests never do); trimmed lengths keep the
     # decoded tokens inside the prompt's last block and alignment unit, so both publish the same
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    num_hits = 0
+    num_hits = num_spare = 0
     for i, prompt in enumerate(history(3)):
         hashes = RequestBlockHashes(cache.layout.hash_block_size, prompt,
                                     model_fingerprint=engine.config.model_fingerprint)
@@ -85,8 +88,14 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
         assert out.num_cached_tokens == hit.hit_tokens, i
         num_hits += hit.hit_tokens > 0
         assert set(cache.mamba.pool.cached) == set(sim_mamba.pool.cached), i
+        for spec, pool, sim_pool in zip(cache.layout.groups, cache.pools, replica.cache.pools):
+            if spec.is_attention:  # the same KV blocks, and the same ones spare (no state above them)
+                assert set(pool.cached) == set(sim_pool.cached), i
+                assert pool.num_spare_blocks == sim_pool.num_spare_blocks, i
+                num_spare += pool.num_spare_blocks
         assert dict(cache.mamba.eviction.known()) == dict(sim_mamba.eviction.known()), i
         assert (cache.mamba.num_evictions, cache.mamba.num_snapshots_skipped) == (
             sim_mamba.num_evictions, sim_mamba.num_snapshots_skipped), i
         assert cache.mamba.eviction.now == sim_mamba.eviction.now == i + 1
     assert num_hits >= 3 and sim_mamba.num_evictions + sim_mamba.num_snapshots_skipped >= 10
+    assert (num_spare > 0) == (eviction != "lru")
