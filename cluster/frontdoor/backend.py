@@ -47,6 +47,7 @@ from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
 from cluster.frontdoor.status import ClusterStatus, DoorMetrics
+from cluster.http.metrics import route_reason
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
 from cluster.messages import TransferMsg
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
@@ -231,7 +232,8 @@ class ClusterBackend:
             if rep is not None:  # else gone meanwhile: the attempt fails over
                 rep.num_inflight += 1
         if self.metrics is not None:
-            self.metrics.record_route(self.router.policy if decision else "load_only", target)
+            self.metrics.record_route(self.router.policy if decision else "load_only", target,
+                                      route_reason(decision, target, job.forced))
         self.on_routed(job.msg, decision, target)
         if decision is not None:
             move = plan_transfer(decision, target)

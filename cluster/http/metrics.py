@@ -3,8 +3,8 @@
 The front end records finished requests (`record`), per-token latencies (`observe_itl`) and every
 HTTP response (`record_response`). A cluster backend reports its own events through
 `record_route` and `record_transfer`; it receives this object via `backend.attach_metrics(m)`,
-and may hand over its controller's counters (replica deaths, restarts) through
-`attach_cluster_counters`, read at each scrape.
+and may hand over its controller's counts (replica deaths, restarts, replicas serving) through
+`attach_cluster_counters`, read at each scrape. `deploy/grafana/hybridserve.json` charts them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,33 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# `hybridserve_routing_decisions_by_reason{reason}`: why a front door sent a request where it did
+ROUTE_REASONS = {
+    "forced": "the request named its replica",
+    "no_decision": "no usable cache-service decision (service down or restarting, or it chose a replica "
+                   "this front door cannot route to): the least loaded replica",
+    "index_unusable": "the cache service's index vouches for no candidate (stale or unknown replicas): by load",
+    "transfer": "the best holder is busy: its pages move to a less loaded replica, which serves a local hit",
+    "prefix_hit": "the replica expected to hit the most of the prompt, net of its load",
+    "no_hit": "no replica expected to hit (or a round_robin / random policy): the cheapest by load",
+}
+
+
+def route_reason(decision, target: str, forced: str | None) -> str:
+    """The `ROUTE_REASONS` key for serving on `target` under a cache-service `RouteDecision`
+    (None: the front door routed by load); `forced`: the replica the request named, if any."""
+    if forced is not None and target == forced:
+        return "forced"
+    if decision is None:
+        return "no_decision"
+    if decision.transfer is not None and decision.transfer.dst_replica == target:
+        return "transfer"
+    if decision.load_only:
+        return "index_unusable"
+    return "prefix_hit" if decision.expected_hit_tokens > 0 else "no_hit"
+
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -52,6 +78,9 @@ class Metrics:
         self.num_unfinished = Gauge("hybridserve_num_unfinished_requests", "requests in the backend", registry=r)
         self.routes = Counter("hybridserve_routing_decisions", "router decisions", ["policy", "replica"],
                               registry=r)
+        self.route_reasons = Counter("hybridserve_routing_decisions_by_reason", "router decisions by why the "
+                                     "replica was chosen: " + ", ".join(ROUTE_REASONS), ["policy", "reason"],
+                                     registry=r)
         self.transfers = Counter("hybridserve_transfers", "cache transfers", ["outcome"], registry=r)
         self.transfer_bytes = Counter("hybridserve_transfer_bytes", "bytes moved by cache transfers", registry=r)
         self.transfer_seconds = Histogram("hybridserve_transfer_seconds", "cache transfer duration", registry=r,
@@ -93,9 +122,12 @@ class Metrics:
     def record_response(self, route: str, code: int) -> None:
         self.responses.labels(route, str(code)).inc()
 
-    def record_route(self, policy: str, decision: str) -> None:
-        """The router sent a request to replica `decision` under `policy`."""
+    def record_route(self, policy: str, decision: str, reason: str | None = None) -> None:
+        """The router sent a request to replica `decision` under `policy`, for `reason` (a
+        `ROUTE_REASONS` key, see `route_reason`; None: counted by replica only)."""
         self.routes.labels(policy, str(decision)).inc()
+        if reason is not None:
+            self.route_reasons.labels(policy, reason).inc()
 
     def record_transfer(self, ok: bool, seconds: float, num_bytes: int) -> None:
         self.transfers.labels("ok" if ok else "failed").inc()
@@ -115,16 +147,20 @@ class Metrics:
             gauge.set_function(lambda key=key: stats().get(key, 0))
 
     def attach_cluster_counters(self, read: Callable[[], dict]) -> None:
-        """Counters of the cluster's controller, `read()` at each scrape: replicas purged as dead or
-        unhealthy, and replacements started for them."""
+        """The cluster controller's `stats()`, `read()` at each scrape: replicas purged as dead or
+        unhealthy, replacements started for them, and the replicas serving now."""
         self.registry.register(ClusterCounters(read))
 
 
 class ClusterCounters:
-    """A Prometheus collector over the controller's counters (they live in another actor)."""
+    """A Prometheus collector over the controller's counts (they live in another actor). Every
+    front door exports the same values: aggregate them with max, not sum."""
 
     NAMES = {"replica_deaths": "replicas purged as dead, unhealthy or silent",
              "replica_restarts": "replacements started for dead replicas (fixed replica count)"}
+    GAUGES = {"num_replicas": "replicas the controller runs (draining ones until they stop)",
+              "replica_slots": "replicas the controller keeps, replacing dead ones (a fixed replica count; "
+                               "no sample under the autoscaler)"}
 
     def __init__(self, read: Callable[[], dict]) -> None:
         self.read = read
@@ -133,3 +169,8 @@ class ClusterCounters:
         values = self.read()
         for key, doc in self.NAMES.items():
             yield CounterMetricFamily(f"hybridserve_{key}", doc, value=values.get(key, 0))
+        for key, doc in self.GAUGES.items():
+            gauge = GaugeMetricFamily(f"hybridserve_{key}", doc)
+            if values.get(key) is not None:
+                gauge.add_metric([], values[key])
+            yield gauge
