@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench mutants mutants-engine clean
+.PHONY: install test lint demo bench gpu-check mutants mutants-engine clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,16 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.lookup
+
+# A borrowed CUDA machine in one command, within 10 minutes (bench/gpu_check.py): the [cuda] extra, the
+# gpu-marked tests, the NCCL transfer vs raw send/recv, bench.engine's concurrency 1 / 32 on the GPU; one
+# table, JSON in GPU_CHECK_OUT. The system Python looks for a GPU first: without one it says so and stops
+# (exit 0) before anything is installed or run.
+GPU_CHECK_OUT ?= out/gpu_check.json
+
+gpu-check:
+	@if $(PYTHON) -m bench.gpu_check --find-gpu; then \
+		$(MAKE) --no-print-directory install && $(PY) -m bench.gpu_check --out $(GPU_CHECK_OUT); fi
 
 # Mutation testing (not part of `make test`). `make mutants`: cache_service/ judged by the fast
 # tests/cache_service ([tool.mutmut] in pyproject.toml says what); `make mutants-engine`: the
