@@ -12,7 +12,13 @@ from cache_service.eviction_policy import CheckpointEviction, RecomputeCost, Sta
 
 class ValueEviction(CheckpointEviction):
     name = "value"
-    MIN_TAU = 16.0  # requests: a few quick resends must not make every older state worthless
+    # requests: only a guard against a zero mean (reuses by the very next request). It was 16; at
+    # R = 16, where a replica holds ~10 states and sees reuses a few requests apart, that floor made
+    # recency count for little against gain, so value kept stale long prefixes. With 1 (KV valued
+    # jointly in both runs, `python -m bench.memory_pressure`, 6 Dec): chat R = 16 at 25/50/100%
+    # 0.640/0.760/0.803 -> 0.726/0.789/0.807 (Marconi's best alpha 0.724/0.783/0.807), shipped
+    # R = 16 10% 0.082 -> 0.085; 36 -> 39 of 52 checks.
+    MIN_TAU = 1.0
     # tau per mean reuse distance: reuse distances are heavy-tailed (most reuses come soon, some
     # much later), so a state idle for one mean distance is still often reused; at 2 a state
     # loses 1/e of its worth over two means. Measured with `python -m bench.memory_pressure`
