@@ -9,6 +9,7 @@ group become one `BlockRecord` with a bitmask of groups (`pack_events`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
@@ -39,7 +40,9 @@ class AllBlocksCleared(CacheEvent):
 class EventSink:
     """Collects events from all block pools of one replica, numbering them 0, 1, 2, ...
 
-    Thread-safe: pools may be mutated from the engine thread while another thread drains."""
+    Thread-safe: pools may be mutated from the engine thread while another thread drains.
+    `taps`: callables(group_id, block_hashes) told of every removal, enabled or not, on the
+    mutating thread (`miss_reasons.RecentlyEvicted`)."""
 
     def __init__(self, replica_id: str = "local", enabled: bool = True) -> None:
         self.replica_id = replica_id
@@ -47,6 +50,7 @@ class EventSink:
         self._next_seq = 0
         self._events: list[CacheEvent] = []
         self._lock = threading.Lock()
+        self.taps: list[Callable[[int, tuple[BlockHash, ...]], None]] = []
 
     @property
     def next_seq(self) -> int:
@@ -65,6 +69,8 @@ class EventSink:
 
     def removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
         if block_hashes:
+            for tap in self.taps:
+                tap(group_id, block_hashes)
             self._emit(BlockRemoved, group_id, block_hashes)
 
     def cleared(self, group_id: int) -> None:

@@ -1,8 +1,10 @@
 """`hybridserve explain`: why does a hybrid deployment hit (or not) on a resend?
 
 Simulates a cold request and an identical or extended resend on a fresh cache and prints JSON
-(`per_group_hits`, `hit_tokens`, ...). `--verbose` adds, per group, why it stopped where it did
-(also printed to stderr as plain lines). Bad option values: one line on stderr, exit 2.
+(`per_group_hits`, `hit_tokens`, the layout's cacheability: `shortest_hit_prompt`, `needs`; and
+the resend's miss `reason`, see `cache_service.miss_reasons`). `--verbose` adds, per group, why
+it stopped where it did (also printed to stderr as plain lines). Bad option values: one line on
+stderr, exit 2. `explain_lookup` says the same of a lookup a server did (`/v1/cache/explain/{id}`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import argparse
 import json
 import sys
 
+from cache_service.cacheability import CacheProfile, cache_profile
 from cache_service.coordinator import EagleMode
 from cache_service.hit_finders import DropRule
+from cache_service.miss_reasons import LookupReport, describe_reason
 from cache_service.retention import make_retention
 from cache_service.simulate import Scenario, simulate
 from cache_service.specs import CacheLayout, SpecError, parse_group_spec
@@ -102,6 +106,7 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
     result = simulate(scenario, explain=verbose)
     layout, coord = scenario.layout, result.coordinator
     resend = result.resend
+    profile = cache_profile(coord, make_retention(scenario.retention, layout.alignment))
     out = {
         "groups": layout.describe(),
         "alignment": layout.alignment,
@@ -124,9 +129,13 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
         "num_cached_tokens": resend.hit.hit_tokens,
         "num_computed_prompt_tokens": resend.num_prompt_tokens - resend.hit.hit_tokens,
         "num_recomputed_tokens": resend.num_prompt_tokens - resend.hit.hit_tokens,
+        "shortest_hit_prompt": profile.shortest_hit_prompt,
+        "needs": list(profile.needs),
+        "reason": resend.report.reason,
+        "reason_position": resend.report.reason_position,
     }
     if verbose:
-        out["explanation"] = resend.explanation
+        out["explanation"] = resend.explanation + _reason_lines(resend.report, layout.alignment)
         hit = resend.hit.hit_tokens
         if coord.any_group_drops and coord.drop_rule is DropRule.LOOKAHEAD and hit:
             # the block each dropping group needed cached to prove the successor token at the hit
@@ -134,6 +143,37 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
                 str(g): [hit, coord.serving_extent(g, hit)] for g in sorted(coord.dropping_groups)
             }
     return out
+
+
+def _reason_lines(report: LookupReport, alignment: int) -> list[str]:
+    if report.reason is None:
+        return []
+    return [f"reason: {report.reason}: {describe_reason(report.reason, report.reason_position, alignment)}"]
+
+
+def explain_lookup(profile: CacheProfile, report: LookupReport) -> dict:
+    """What `explain` says of one lookup a server did (a served request's `LookupReport`, taken
+    at its admission): the same keys, built from the report alone (the cache has moved on)."""
+    hit = report.hit_tokens
+    lines = [f"group {g} ({name}): {own}" for g, (name, own) in enumerate(zip(profile.groups, report.per_group_hits))]
+    lines.append(f"cached prefix {report.shared_prefix_tokens} tokens; attention alone would land at "
+                 f"{report.attention_match_tokens}")
+    lines.append(f"reconciliation: candidates {' -> '.join(map(str, report.candidates))}; hit {hit}")
+    lines += _reason_lines(report, profile.alignment)
+    return {
+        **profile.as_dict(),
+        "num_prompt_tokens": report.num_prompt_tokens,
+        "per_group_hits": list(report.per_group_hits),
+        "hit_tokens": hit,
+        "num_cached_tokens": hit,
+        "num_computed_prompt_tokens": report.num_prompt_tokens - hit,
+        "attention_match_tokens": report.attention_match_tokens,
+        "shared_prefix_tokens": report.shared_prefix_tokens,
+        "candidates": list(report.candidates),
+        "reason": report.reason,
+        "reason_position": report.reason_position,
+        "explanation": lines,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
+from cache_service.miss_reasons import LookupReport, RecentlyEvicted, classify_miss
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, GroupSpec
 
@@ -48,6 +49,7 @@ class RequestTrace:
     checkpoints: tuple[int, ...]
     junctions: tuple[int, ...]
     explanation: list[str] = field(default_factory=list)
+    report: LookupReport | None = None  # the lookup with its miss reason (`miss_reasons`)
 
 
 @dataclass
@@ -65,17 +67,21 @@ def make_tokens(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
 
 
 def run_request(
-    cache: LocalPrefixCache, planner: CheckpointPlanner, tokens: list[int], salt: str | None, explain: bool
+    cache: LocalPrefixCache, planner: CheckpointPlanner, tokens: list[int], salt: str | None, explain: bool,
+    evicted: RecentlyEvicted | None = None,
 ) -> RequestTrace:
     """Look up, plan snapshots, then run the request's prefill through the group managers
     (prefill only: T = num_prompt_tokens). When the attention match outruns the reconciled hit,
     the match end is a shared-prefix junction (`HybridCoordinator.junctions`): snapshotting there
     lets the next sibling request hit. Pools too small for the whole prompt at once: nothing is
-    stored (the engine would preempt or refuse it). Publication: `LocalPrefixCache.store_prefix`."""
+    stored (the engine would preempt or refuse it). Publication: `LocalPrefixCache.store_prefix`.
+    The lookup is classified as the engine classifies it (`miss_reasons`; `evicted`: the cache's
+    eviction record, None: none kept)."""
     coordinator = cache.coordinator
     hashes = RequestBlockHashes(coordinator.layout.hash_block_size, tokens, cache_salt=salt)
     probes = coordinator.probes(hashes.hashes, len(tokens), cache.lookup_view)
     hit = coordinator.reconcile(probes)
+    report = LookupReport.of(len(tokens), hit, probes, classify_miss(coordinator, probes, hit, evicted or ()))
     lines = []
     if explain:
         for g, (probe, own) in enumerate(zip(probes, hit.per_group_hits)):
@@ -87,7 +93,7 @@ def run_request(
     periodic = planner.periodic(n, n, junctions)
     if not cache.store_prefix(hashes, n, checkpoints, hit.hit_tokens, periodic).admitted and explain:
         lines.append("pools too small to hold the whole prompt: nothing stored")
-    return RequestTrace(n, hit, checkpoints, junctions, lines)
+    return RequestTrace(n, hit, checkpoints, junctions, lines, report)
 
 
 def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
@@ -99,7 +105,9 @@ def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
     longest = max(scenario.prompt_len, resend_len)
     sizes = scenario.num_blocks_per_group or tuple(longest // g.block_size + 2 for g in layout.groups)
     cache = LocalPrefixCache(coordinator, sizes)
+    evicted = RecentlyEvicted(layout, capacity=sum(sizes))
+    cache.events.taps.append(evicted)
     tokens = make_tokens(longest, scenario.seed, scenario.vocab_size)
-    cold = run_request(cache, planner, tokens[: scenario.prompt_len], scenario.cache_salt, explain)
-    resend = run_request(cache, planner, tokens[:resend_len], scenario.cache_salt, explain)
+    cold = run_request(cache, planner, tokens[: scenario.prompt_len], scenario.cache_salt, explain, evicted)
+    resend = run_request(cache, planner, tokens[:resend_len], scenario.cache_salt, explain, evicted)
     return SimulationResult(scenario, coordinator, cold, resend, cache)

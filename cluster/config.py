@@ -157,10 +157,14 @@ class HttpConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
+    # the last N served requests' lookups `GET /v1/cache/explain/{id}` can answer for (0: none)
+    max_explained_requests: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"http.port must be in 0..65535, got {self.port}")
+        if self.max_explained_requests < 0:
+            raise ConfigError(f"http.max_explained_requests must be >= 0, got {self.max_explained_requests}")
 
 
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}

@@ -28,25 +28,28 @@ class FrontDoor:
     def __init__(self, model_dir: str, engine_config, cluster_config: ClusterConfig, host: str | None = None,
                  port: int = 0, api_key: str | None = None, max_body_bytes: int = 4 * 2**20,
                  model_name: str | None = None, chat_template: str | None = None, generation_config: str = "auto",
-                 router: RouterConfig | None = None) -> None:
+                 router: RouterConfig | None = None, max_explained_requests: int = 1024) -> None:
         from cluster.frontdoor.backend import ClusterBackend
 
         self.backend = ClusterBackend(model_dir, engine_config, cluster_config, router)
         self.url: str | None = None
         if host is not None:
             self._serve_http(model_dir, host, port, api_key, max_body_bytes, model_name, chat_template,
-                             generation_config)
+                             generation_config, engine_config, max_explained_requests)
 
     def _serve_http(self, model_dir: str, host: str, port: int, api_key, max_body_bytes: int, model_name,
-                    chat_template, generation_config) -> None:
+                    chat_template, generation_config, engine_config, max_explained_requests: int) -> None:
         import uvicorn
 
         from cluster.http.app import create_app
+        from cluster.serve import backend_cache_profile
         from cluster.text.text_model import load_text_model
 
         text = load_text_model(model_dir, chat_template, generation_config)
         app = create_app(self.backend, model_name or Path(model_dir).name, api_key=api_key,
-                         max_body_bytes=max_body_bytes, text=text, model_root=model_dir)
+                         max_body_bytes=max_body_bytes, text=text, model_root=model_dir,
+                         cache_profile=backend_cache_profile(self.backend, engine_config),
+                         max_explained_requests=max_explained_requests)
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         threading.Thread(target=self._server.run, name="uvicorn", daemon=True).start()
         self.url = f"http://{host}:{port}"
@@ -76,7 +79,7 @@ def start_frontdoors(n: int, model_dir: str, engine_config, cluster_config: Clus
                      first_port: int = 0, **http) -> list:
     """Start `n` front-door actors attached to the cluster `cluster_config.name` (which must be
     running); with `host`, front door i serves HTTP on `first_port + i`. `http`: FrontDoor's
-    keywords (api_key, max_body_bytes, model_name, chat_template, router)."""
+    keywords (api_key, max_body_bytes, model_name, chat_template, router, max_explained_requests)."""
     if cluster_config.name is None:
         raise ValueError("front doors attach by name: set the cluster's name")
     cls = ray.remote(num_cpus=0, max_concurrency=1024)(FrontDoor)

@@ -15,6 +15,10 @@ autoscaler when `min_replicas < max_replicas` (else a fixed count: each dead rep
 `cluster.restart`), and the OpenAI-compatible HTTP server on
 `http.host:http.port`. `cluster.backend: inprocess` serves one engine in this process (no Ray).
 Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
+
+At startup it logs the model's cacheability (`cache_service.cacheability`): the hit grid, the
+shortest prompt that can hit under the configured EAGLE mode and retention, and what each cache
+group needs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cache_service.cacheability import CacheProfile, cache_profile
 from cluster.config import ConfigError, ServeConfig, load_config
 
 log = logging.getLogger("hybridserve.serve")
@@ -109,6 +114,29 @@ def build_backend(config: ServeConfig, model_dir: str):
     return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
 
 
+def backend_cache_profile(backend, engine_config) -> CacheProfile:
+    """The served model's cacheability: the backend's own (one engine in process), else from the
+    layout and EAGLE mode a replica described (`ReplicaInfoMsg`) and the engine config's retention."""
+    profile = getattr(backend, "cache_profile", None)
+    if profile is not None:
+        return profile
+    info = backend.replica(backend.replica_ids[0]).info
+    return replica_cache_profile(info.groups, info.eagle, engine_config)
+
+
+def replica_cache_profile(groups: tuple[str, ...], eagle: str, engine_config) -> CacheProfile:
+    """A replica's cacheability from what it describes (its groups and EAGLE mode) and the
+    engine config every replica runs with (drop rule, retention)."""
+    from cache_service.coordinator import HybridCoordinator
+    from cache_service.retention import make_retention
+    from cache_service.specs import CacheLayout, parse_group_spec
+
+    layout = CacheLayout(tuple(parse_group_spec(g) for g in groups))
+    coordinator = HybridCoordinator(layout, eagle, drop_rule=engine_config.drop_rule)
+    return cache_profile(coordinator, make_retention(engine_config.retention, layout.alignment),
+                         engine_config.enable_prefix_caching)
+
+
 def build_app(config: ServeConfig) -> Server:
     """Raises `ConfigError` (a missing model, unreadable tokenizer files or chat template)
     before any backend is started."""
@@ -121,10 +149,13 @@ def build_app(config: ServeConfig) -> Server:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     backend, autoscaler, embedded = build_backend(config, model_dir)
+    model_name = config.model.served_model_name or Path(model_dir).name
     try:
-        app = create_app(backend, config.model.served_model_name or Path(model_dir).name,
-                         api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes, text=text,
-                         model_root=model_dir)
+        profile = backend_cache_profile(backend, config.engine)
+        log.info("%s", "\n".join(profile.lines(model_name)))
+        app = create_app(backend, model_name, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
+                         text=text, model_root=model_dir, cache_profile=profile,
+                         max_explained_requests=config.http.max_explained_requests)
     except Exception:
         Server(None, backend, autoscaler, embedded).close()
         raise
@@ -136,7 +167,8 @@ def build_app(config: ServeConfig) -> Server:
             config.cluster.num_frontends - 1, model_dir, backend.engine_config, config.cluster, config.http.host,
             config.http.port + 1, api_key=config.http.api_key, max_body_bytes=config.http.max_body_bytes,
             model_name=config.model.served_model_name, chat_template=config.model.chat_template,
-            generation_config=config.model.generation_config, router=config.router)
+            generation_config=config.model.generation_config, router=config.router,
+            max_explained_requests=config.http.max_explained_requests)
     return server
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from cache_service import cacheability
 from cache_service.block_hash import BlockHash
 from cache_service.ids import new_request_id
 from workers.engine.engine import LLMEngine
@@ -118,6 +119,13 @@ class EngineRunner:
         if self._in_step and age > self.stall_timeout_s:
             return f"engine loop stalled: no heartbeat for {age:.1f} s"
         return None
+
+    @property
+    def cache_profile(self) -> cacheability.CacheProfile:
+        """The engine's cacheability: hit grid, shortest prompt that can hit, what each group needs."""
+        cache = self.engine.cache
+        return cacheability.cache_profile(cache.coordinator, cache.planner.policy,
+                                          self.engine.config.enable_prefix_caching)
 
     def engine_stats(self) -> dict[str, int]:
         """The engine's counters and gauges (read without the loop: plain ints)."""

@@ -1,6 +1,7 @@
 """Driving one request through the backend for the HTTP front end: submit (mapping backend
 errors to HTTP ones), follow its outputs into a `CompletionState`, stop it early when a stop
-string matched, and abort it when the client goes away."""
+string matched, and abort it when the client goes away. The engine's lookup report on its
+outputs goes to `CacheReports` (the miss counter, `/v1/cache/explain/{id}`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from cluster.http.backend import Backend
+from cluster.http.cache_reports import CacheReports
 from cluster.http.errors import HttpError
 from cluster.http.metrics import Metrics
 from cluster.http.streaming import SseResponse, follow, sse_event, stream_error
@@ -25,11 +27,19 @@ log = logging.getLogger(__name__)
 
 
 class RequestDriver:
-    def __init__(self, backend: Backend, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics, reports: CacheReports) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.reports = reports
 
-    async def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> RequestStream:
+    async def submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None,
+                     response_id: str | None = None) -> RequestStream:
+        """`response_id`: the OpenAI id the response will carry (explain finds the request by it)."""
+        stream = await self._submit(prompt, params, cache_salt)
+        self.reports.submitted(stream.request_id, response_id, prompt, cache_salt)
+        return stream
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> RequestStream:
         if not prompt:
             raise HttpError(400, "the prompt is empty", param="prompt")
         try:  # in a thread: a backend's submit may wait for its engine step to end
@@ -54,11 +64,15 @@ class RequestDriver:
 
     async def _updates(self, stream: RequestStream, started_s: float, state: CompletionState):
         """(Increment | StreamEnd) until the state is finished; stops the engine request when
-        the state finished first (a stop string)."""
+        the state finished first (a stop string). Hands the engine's lookup report to `reports`."""
+        reported = None
         async for item in follow(stream, self.metrics, started_s):
             if isinstance(item, StreamEnd):
                 yield item
                 return
+            if item.cache_report is not None and item.cache_report != reported:  # O(groups), once per lookup
+                reported = item.cache_report
+                self.reports.record(stream.request_id, reported)
             inc = state.update(item)
             yield inc
             if inc.finished:

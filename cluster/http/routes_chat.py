@@ -24,9 +24,10 @@ def chat_routes(api: Api) -> APIRouter:
         prompt = api.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = api.params_for(body, prompt, body.num_max_tokens, num_top)
-        stream = await api.driver.submit(prompt, params, body.cache_salt)
+        response_id = completion_id("chatcmpl")
+        stream = await api.driver.submit(prompt, params, body.cache_salt, response_id)
         state = api.new_state(body)
-        head = {"id": completion_id("chatcmpl"), "created": int(time.time()), "model": api.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": api.model_name}
         if not body.stream:
             await api.driver.run(stream, request, started_s, state)
             message = {"role": "assistant", "content": state.text, "tool_calls": []}

@@ -24,10 +24,11 @@ def completion_routes(api: Api) -> APIRouter:
         api.check(body)
         prompt, prompt_text = _prompt(api, body)
         params = api.params_for(body, prompt, body.max_tokens, body.logprobs)
-        stream = await api.driver.submit(prompt, params, body.cache_salt)
+        response_id = completion_id("cmpl")
+        stream = await api.driver.submit(prompt, params, body.cache_salt, response_id)
         state = api.new_state(body)
         echo = prompt_text if body.echo else ""
-        head = {"id": completion_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+        head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": api.model_name}
         if not body.stream:
             await api.driver.run(stream, request, started_s, state)

@@ -43,7 +43,8 @@ def test_verbose_says_why_each_group_stopped(capsys):
     code, out, err = run_cli(args, capsys)
     report = json.loads(out)
     assert report["hit_tokens"] == 0
-    assert len(report["explanation"]) == 5
+    assert len(report["explanation"]) == 6  # a line per group, the reconciliation, the miss reason
+    assert report["explanation"][5].startswith("reason: eagle_drop: without the EAGLE drop the hit would be 6912")
     assert "EAGLE drop (alignment rule) removes one alignment unit" in report["explanation"][0]
     assert "snapshots held at <= cap: [6912]" in report["explanation"][1]
     assert "candidates 6912 -> 0" in err

@@ -23,9 +23,11 @@ from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.events import EventSink
 from cache_service.eviction import EvictionConfig
 from cache_service.group_managers import GroupManagers
+from cache_service.hit_finders import GroupProbe
 from cache_service.lifecycle import settle
 from cache_service.local_cache import PoolLookup
 from cache_service.mamba_manager import MambaManager
+from cache_service.miss_reasons import LookupReport, RecentlyEvicted, classify_miss
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, DraftAttentionSpec, FullAttentionSpec, MambaSpec
 from workers.engine.block_tables import BlockTables
@@ -76,6 +78,9 @@ class EngineCacheManager:
         self.events = events if events is not None else EventSink(enabled=False)  # no consumer: keep nothing
         sizes = {"full": num_kv_blocks, "mamba": num_state_slots, "draft": num_kv_blocks}
         self.pools = [BlockPool(sizes[spec.kind], g, self.events) for g, spec in enumerate(groups)]
+        # the states evicted lately: what tells a `state_evicted` miss from a `state_not_retained` one
+        self.evicted = RecentlyEvicted(self.layout, capacity=4 * num_state_slots)
+        self.events.taps.append(self.evicted)
         budget = int(config.cache_memory_bytes * config.checkpoint_memory_fraction) // max(1, state_page_bytes)
         self.groups = GroupManagers(self.coordinator, self.pools, ModelPageBackend(caches, self.layout), {
             "num_verify_pages": self.num_spec_tokens + 1 if speculative else 0,
@@ -127,21 +132,30 @@ class EngineCacheManager:
 
     # ---- admission ------------------------------------------------------------------------
     def lookup(self, req: Request) -> HitResult:
+        return self._probe(req)[0]
+
+    def _probe(self, req: Request) -> tuple[HitResult, list[GroupProbe]]:
+        """The reconciled hit and the probes that found it (they read the pools live)."""
         if not self.config.enable_prefix_caching:
-            return HitResult(0, tuple(0 for _ in self.layout.groups), 0, (0,))
-        return self.coordinator.find_longest_hit(req.hashes.hashes, req.num_prefill_tokens, self.lookup_view)
+            return HitResult(0, tuple(0 for _ in self.layout.groups), 0, (0,)), []
+        probes = self.coordinator.probes(req.hashes.hashes, req.num_prefill_tokens, self.lookup_view)
+        return self.coordinator.reconcile(probes), probes
 
     def try_admit(self, req: Request, first_chunk: int | None = None) -> bool:
         """Look up the prefix hit and, if the pools have room for it and for up to `first_chunk`
         tokens past it (the scheduler's budget; default 1), restore it (KV blocks shared, Mamba
-        state copied into the working page). Lazy: later chunks and decodes grow it."""
-        hit = self.lookup(req)
+        state copied into the working page). Lazy: later chunks and decodes grow it. The first
+        admission also reports the lookup (`req.cache_report`, with its miss reason)."""
+        hit, probes = self._probe(req)
         length = hit.hit_tokens
         chunk = min(first_chunk or 1, req.num_prefill_tokens - length)
         positions = length + chunk + self.num_spec_tokens
         rid = req.request_id
         if not self.groups.can_admit(rid, req.hashes, length, positions, spare_pages=1):  # +1: a snapshot
             return False
+        if not req.num_preemptions:  # classified before admitting: taking pages may evict what the probes read
+            reason = classify_miss(self.coordinator, probes, hit, self.evicted)
+            req.cache_report = LookupReport.of(req.num_prompt_tokens, hit, probes, reason)
         self.groups.admit(rid, req.hashes, length, positions)
         self._covered.pop(rid, None)
         req.num_restored_tokens = req.num_computed_tokens = length

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from cache_service.block_hash import RequestBlockHashes
+from cache_service.miss_reasons import LookupReport
 from workers.engine.sampling import Sampler, TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Request:
     num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
     num_cached_tokens: int = 0  # the prefix hit at the first admission (what the client is told)
     num_restored_tokens: int = 0  # the prefix hit at the latest admission (differs after a preemption)
+    cache_report: LookupReport | None = None  # the first admission's lookup and its miss reason
     num_prefill_tokens: int = 0  # prefill runs to here: the prompt, or every known token after a preemption
     # prompt tokens sent through the target model's forward (prefill chunks; a recomputation after
     # preemption counts again): the work a hit saved is num_prompt_tokens - this
@@ -105,6 +107,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None  # of `new_token_ids`, when the request asked
     num_computed_prompt_tokens: int = 0  # prompt tokens run through the model's forward (Request's field)
     num_preemptions: int = 0  # times the engine gave its pages back and recomputed it
+    # the first admission's lookup (`cache_service.miss_reasons`): what `explain` shows for this request
+    cache_report: LookupReport | None = None
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -116,4 +120,5 @@ class RequestOutput:
             if req.params.logprobs is not None else None,
             req.num_computed_prompt_tokens,
             req.num_preemptions,
+            req.cache_report,
         )
