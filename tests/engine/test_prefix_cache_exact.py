@@ -109,7 +109,8 @@ def test_admission_never_evicts_the_pages_it_restores_from(tiny_model, eagle):
     (cold,) = engine.generate([prompt], params)
     for group in (1, 2):  # the hit's Mamba page and (lossless) draft block: next in line for eviction
         pool = engine.cache.pools[group]
-        for block in [b for b in pool.cached.values() if b.ref_cnt == 0]:
+        # the kept queue's blocks (every block the hit uses; spare ones lie above every state)
+        for block in [b for b in pool.cached.values() if b.block_id in pool._free]:
             pool._free.move_to_end(block.block_id, last=False)
     (warm,) = engine.generate([prompt], params)
     # R = floor(499 / 64) * 64 = 448; drop: its lookahead block [448, 464) lies inside the 500 tokens
