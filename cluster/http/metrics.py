@@ -65,7 +65,9 @@ class Metrics:
             "hybridserve_prompt_tokens_by_source", "prompt tokens by source: local_compute (run through the "
             "model's forward) or local_cache_hit (served from the prefix cache)", ["source"], registry=r)
         self.group_cached_tokens = Counter("hybridserve_prefix_cache_group_hit_tokens",
-                                           "hit tokens per cache group (when the backend reports them)",
+                                           "each cache group's own hit at the lookup, before the groups are "
+                                           "reconciled (group: its index in the layout, as the startup "
+                                           "cacheability line lists them)",
                                            ["group"], registry=r)
         self.generated = Counter("hybridserve_generation_tokens", "generated tokens", registry=r)
         self.drafts = Counter("hybridserve_spec_decode_draft_tokens", "draft tokens", ["outcome"], registry=r)
@@ -99,7 +101,8 @@ class Metrics:
         self.cached_tokens.inc(out.num_cached_tokens)
         self.prompt_tokens_by_source.labels("local_compute").inc(out.num_computed_prompt_tokens)
         self.prompt_tokens_by_source.labels("local_cache_hit").inc(out.num_cached_tokens)
-        for group, n in (getattr(out, "num_cached_tokens_by_group", None) or {}).items():
+        report = getattr(out, "cache_report", None)  # the first admission's lookup, when the engine made one
+        for group, n in enumerate(report.per_group_hits if report is not None else ()):
             self.group_cached_tokens.labels(str(group)).inc(n)
         self.generated.inc(len(out.token_ids))
         self.preemptions.inc(getattr(out, "num_preemptions", 0))

@@ -128,7 +128,8 @@ def test_the_dashboard_is_importable():
                  "hybridserve_request_latency_seconds_bucket", "hybridserve_prompt_tokens_by_source_total",
                  "hybridserve_prefix_cache_hit_tokens_total", "hybridserve_routing_decisions_by_reason_total",
                  "hybridserve_transfers_total", "hybridserve_transfer_seconds_bucket", "vllm:num_preemptions_total",
-                 "hybridserve_num_unfinished_requests", "hybridserve_num_replicas"):
+                 "hybridserve_num_unfinished_requests", "hybridserve_num_replicas",
+                 "hybridserve_prefix_cache_group_hit_tokens_total", "hybridserve_prefix_cache_misses_total"):
         assert name in queried, name
 
 
@@ -175,6 +176,14 @@ def test_every_queried_series_is_exported_by_a_running_server(metrics_text):
     reasons = {s.labels["reason"]: s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
                if s.name == "hybridserve_routing_decisions_by_reason_total"}
     assert sum(reasons.values()) == 3, reasons
+    # each group's own hit, fed from the engine's lookup report: the cold request hit nothing, its
+    # two resends hit every group (the same prompt)
+    groups = {s.labels["group"]: s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
+              if s.name == "hybridserve_prefix_cache_group_hit_tokens_total"}
+    assert len(groups) >= 2 and all(v > 0 for v in groups.values()), groups
+    hit = sum(s.value for f in text_string_to_metric_families(metrics_text) for s in f.samples
+              if s.name == "hybridserve_prefix_cache_hit_tokens_total")
+    assert 0 < hit <= min(groups.values()), (hit, groups)  # the reconciled hit is at most every group's own
 
 
 @pytest.mark.heavy
@@ -189,4 +198,4 @@ def test_a_misspelled_series_or_label_is_reported(metrics_text):
         f"label 'group' is on none of ['hybridserve_prompt_tokens_by_source_total'] "
         f"(in {good.replace('by (source)', 'by (group)')})"]
     # declared, never fed: a panel on it would stay empty
-    assert problems(["sum(rate(hybridserve_prefix_cache_group_hit_tokens_total[5m]))"], metrics_text)
+    assert problems(["sum(rate(hybridserve_no_such_thing_total[5m]))"], metrics_text)
