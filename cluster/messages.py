@@ -44,3 +44,12 @@ class TransferMsg:
     src_replica: str
     dst_replica: str
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """The controller's answer to a `TransferMsg`: `ok` False means the request recomputes;
+    `num_bytes` is the payload the source streamed (0 when it failed)."""
+
+    ok: bool
+    num_bytes: int = 0

@@ -34,7 +34,7 @@ from cluster.control.replica_set import ReplicaSet
 from cluster.control.transfers import Transfers
 from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
 from cluster.ids import service_name
-from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg
+from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg, TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,9 @@ class ClusterController:
                 log.exception("health check failed")
 
     # ---- transfers and warming ------------------------------------------------------------------
-    def transfer(self, msg: TransferMsg) -> bool:
-        return self.transfers.transfer(list(msg.prompt_token_ids), msg.cache_salt, msg.src_replica,
-                                       msg.dst_replica, msg.num_tokens)
+    def transfer(self, msg: TransferMsg) -> TransferResult:
+        return self.transfers.move(list(msg.prompt_token_ids), msg.cache_salt, msg.src_replica,
+                                   msg.dst_replica, msg.num_tokens)
 
     def note_hot(self, items: list[HotPrefixMsg]) -> None:
         self.hot.merge(items)

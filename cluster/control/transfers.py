@@ -14,6 +14,7 @@ import threading
 import ray
 
 from cluster.control.replica_set import ReplicaSet
+from cluster.messages import TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,13 @@ class Transfers:
 
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
                  num_tokens: int) -> bool:
-        """Move the pages serving a `num_tokens` hit src -> dst; on any failure log why and return
-        False (the request then recomputes)."""
+        """`move`, answered as whether it worked (the warmer counts transfers done)."""
+        return self.move(prompt_token_ids, cache_salt, src, dst, num_tokens).ok
+
+    def move(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
+             num_tokens: int) -> TransferResult:
+        """Move the pages serving a `num_tokens` hit src -> dst, with the payload bytes sent; on any
+        failure log why and answer not ok (the request then recomputes)."""
         with self._lock:
             pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
         try:
@@ -47,9 +53,9 @@ class Transfers:
                 gen = self._channel_gen.get((src, dst), 0)  # a fresh pair after a failure
                 sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
                 received = d.actor.recv_prefix.remote(src, endpoint, gen)
-                ray.get([sent, received], timeout=self.timeout_s)
+                num_bytes, _ = ray.get([sent, received], timeout=self.timeout_s)
             self.counters["transfers"] += 1
-            return True
+            return TransferResult(True, int(num_bytes))
         except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
             log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
             self.counters["transfer_failures"] += 1
@@ -58,7 +64,7 @@ class Transfers:
                 rep = self.replicas.get(a)
                 if rep is not None:
                     rep.actor.drop_channel.remote(b)
-            return False
+            return TransferResult(False)
 
     def forget_replica(self, replica_id: str) -> None:
         for rep in list(self.replicas.replicas.values()):

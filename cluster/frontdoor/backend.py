@@ -255,11 +255,11 @@ class ClusterBackend:
         """Move the pages of a `num_tokens` hit src -> dst (the controller does it: one transfer per
         pair at a time, whichever front door asks). False on any failure (the request recomputes)."""
         t0 = time.perf_counter()
-        ok = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
-                                                                 num_tokens)))
+        result = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
+                                                                     num_tokens)))
         if self.metrics is not None:
-            self.metrics.record_transfer(ok, time.perf_counter() - t0, 0)
-        return ok
+            self.metrics.record_transfer(result.ok, time.perf_counter() - t0, result.num_bytes)
+        return result.ok
 
     def warm(self, replica_id: str, limit: int | None = None) -> int:
         """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""

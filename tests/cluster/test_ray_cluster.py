@@ -118,7 +118,10 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
     """Regression: two requests moving pages holder -> other at once shared one channel and
     deadlocked until gloo's timeout; transfers on a pair are now serialised."""
 
+    from cluster.http.metrics import Metrics
+
     backend = _backend(tiny_dir)
+    metrics = backend.metrics = Metrics()
     try:
         prompts = [make_prompt(400, 90 + i) for i in range(3)]
         colds = [backend.generate(p, PARAMS, replica_id=backend.replica_ids[0])[0] for p in prompts]
@@ -135,6 +138,10 @@ def test_concurrent_transfers_between_the_same_pair_do_not_interleave(ray_sessio
         for t in threads:
             t.join(timeout=120)
         assert results == [True] * len(prompts)  # none hung (join timeout); the time is a benchmark figure
+        # the bytes each source streamed reach the front door's metrics (the same pages each time)
+        sent = metrics.registry.get_sample_value("hybridserve_transfer_bytes_total")
+        assert sent > 0 and sent % len(prompts) == 0
+        assert metrics.registry.get_sample_value("hybridserve_transfers_total", {"outcome": "ok"}) == len(prompts)
         for p, cold in zip(prompts, colds):
             warm, served = backend.generate(p, PARAMS, replica_id=dst)
             assert served == dst and warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
