@@ -16,7 +16,7 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               prefix that has served a hit, cost(p) - cost(q) (a state above a shared system
               prompt's is worth the tokens past it; a request's own grid, never reused yet,
               is worth its whole prefix, so its deepest state outranks the rest); t counts admitted requests,
-              never snapshots; tau is twice the mean reuse distance seen so far, in requests. Since
+              never snapshots; tau is twice the mean reuse distance seen so far, in requests (at least 1). Since
                   log v = log(gain * (1 + reuses) / bytes) + t_used / tau  -  t / tau
               and the last term is common to every state, the order only changes on use: a heap,
               Grid states (retention's periodic positions) go before any boundary state (replay,
