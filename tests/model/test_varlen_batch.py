@@ -90,7 +90,15 @@ def test_mixed_batch_equals_each_chunk_alone_bf16(tiny_dir):
     scale = want.abs().max()
     # bf16 keeps 8 bits: batched vs alone may round a few activations differently, nothing more
     assert (got - want).abs().max() <= 2**-6 * scale, float((got - want).abs().max())
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # the same greedy token in every row, but for near ties: where the argmax differs, the two
+    # candidates' logits are within the tolerance above on both sides (bf16 GEMM kernels, e.g. AMX,
+    # round by batch shape), and such rows are rare
+    tol = 2**-6 * scale
+    differ = (got.argmax(-1) != want.argmax(-1)).nonzero().flatten().tolist()
+    for row in differ:
+        a, b = int(got[row].argmax()), int(want[row].argmax())
+        assert want[row, b] - want[row, a] <= tol and got[row, a] - got[row, b] <= tol, (row, a, b)
+    assert len(differ) <= max(1, got.shape[0] // 50), differ
     _assert_caches_close(caches, alone, atol=2**-6, rtol=2**-6)
 
 
