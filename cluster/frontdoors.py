@@ -41,8 +41,8 @@ class FrontDoor:
                     chat_template, generation_config, engine_config, max_explained_requests: int) -> None:
         import uvicorn
 
+        from cluster.cache_profile import backend_cache_profile
         from cluster.http.app import create_app
-        from cluster.serve import backend_cache_profile
         from cluster.text.text_model import load_text_model
 
         text = load_text_model(model_dir, chat_template, generation_config)

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_service.cacheability import CacheProfile, cache_profile
+from cluster.cache_profile import backend_cache_profile
 from cluster.config import ConfigError, ServeConfig, load_config
 
 log = logging.getLogger("hybridserve.serve")
@@ -112,29 +112,6 @@ def build_backend(config: ServeConfig, model_dir: str):
     how = connect_ray(c.ray_address, c.node_ip_address, c.dashboard_host, c.num_cpus)
     backend = ClusterBackend(model_dir, engine_config, c, config.router)
     return backend, backend.autoscaler, how == "embedded"  # the autoscaler runs in the cluster's controller
-
-
-def backend_cache_profile(backend, engine_config) -> CacheProfile:
-    """The served model's cacheability: the backend's own (one engine in process), else from the
-    layout and EAGLE mode a replica described (`ReplicaInfoMsg`) and the engine config's retention."""
-    profile = getattr(backend, "cache_profile", None)
-    if profile is not None:
-        return profile
-    info = backend.replica(backend.replica_ids[0]).info
-    return replica_cache_profile(info.groups, info.eagle, engine_config)
-
-
-def replica_cache_profile(groups: tuple[str, ...], eagle: str, engine_config) -> CacheProfile:
-    """A replica's cacheability from what it describes (its groups and EAGLE mode) and the
-    engine config every replica runs with (drop rule, retention)."""
-    from cache_service.coordinator import HybridCoordinator
-    from cache_service.retention import make_retention
-    from cache_service.specs import CacheLayout, parse_group_spec
-
-    layout = CacheLayout(tuple(parse_group_spec(g) for g in groups))
-    coordinator = HybridCoordinator(layout, eagle, drop_rule=engine_config.drop_rule)
-    return cache_profile(coordinator, make_retention(engine_config.retention, layout.alignment),
-                         engine_config.enable_prefix_caching)
 
 
 def build_app(config: ServeConfig) -> Server:

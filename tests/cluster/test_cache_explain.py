@@ -76,7 +76,7 @@ def test_startup_logs_the_models_cacheability(served):
 
 
 def test_a_cluster_replicas_description_gives_the_same_profile(served):
-    from cluster.serve import replica_cache_profile
+    from cluster.cache_profile import replica_cache_profile
 
     _, _, _, server = served
     engine = server.backend.engine  # what `Replica.describe` reports of its engine
