@@ -180,3 +180,115 @@ def test_the_planner_names_the_grid_positions_no_boundary_needs():
     assert planner.periodic(300, 300) == {64, 128}  # 192: one unit below the boundary (drop)
     latest = CheckpointPlanner(HybridCoordinator(layout, EagleMode.OFF), make_retention("latest", 64))
     assert latest.periodic(300, 300) == frozenset()
+
+
+# ---- exact defaults, messages and bookkeeping (mutation testing, 6 Dec) ---------------------------
+def test_defaults_one_byte_per_page_and_the_cost_model_passed_through():
+    cost = RecomputeCost(100.0)
+    for policy in (LruEviction(), MarconiEviction(), ValueEviction(), make_eviction("lru"), make_eviction("value"),
+                   make_eviction("marconi"), EvictionConfig().build()):
+        assert policy.page_bytes == 1 and policy.cost == RecomputeCost()
+    assert MarconiEviction().alpha == 1.0
+    for spec in ("lru", "value", "marconi", "marconi:2"):
+        assert make_eviction(spec, 3, cost).cost is cost and make_eviction(spec, 3, cost).page_bytes == 3
+    assert LruEviction(1, cost).cost is cost and MarconiEviction(1, cost).cost is cost
+    assert EvictionConfig(crossover_tokens=0.5).build().cost == RecomputeCost(0.5)
+
+
+def test_error_messages_word_for_word():
+    with pytest.raises(EvictionError, match=r"^marconi alpha must be >= 0, got -1\.0$"):
+        MarconiEviction(alpha=-1.0)
+    with pytest.raises(EvictionError, match=r"^eviction 'marconi:x': expected marconi:ALPHA with a number$"):
+        make_eviction("marconi:x")
+
+
+@pytest.mark.parametrize("policy", [LruEviction, MarconiEviction, ValueEviction])
+def test_removing_a_state_forgets_it_and_an_unknown_key_is_ignored(policy):
+    p = policy()
+    p.stored(key(1), 64, 0)
+    p.removed(key(2))
+    p.removed(key(1))
+    assert key(1) not in p.known() and p.victim(lambda k: True) is None
+
+
+def test_marconi_entries_learn_their_position_and_count_each_restore():
+    m = MarconiEviction()
+    m.stored(key(1), 64, 0)
+    m.stored(key(2), 0, 0)  # adopted from a transfer: position unknown
+    assert m.known()[key(1)].position == 64 and not m.is_reused(key(1)) and not m.is_reused(key(3))
+    m.used(key(2), False, 128)
+    assert (m.known()[key(2)].position, m.known()[key(2)].gain) == (128, 128.0)
+    m.used(key(1), True, 64)
+    assert m.is_reused(key(1))  # one restore is enough
+    m.used(key(1), True, 64)
+    assert m.known()[key(1)].num_reuses == 2
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.8, 1), (1.5, 2)])
+def test_marconi_normalizes_recency_and_gain_by_their_spans(alpha, expected):
+    m = MarconiEviction(alpha=alpha)
+    m.now = 1
+    m.stored(key(1), 100, 0)  # older, more gain: recency 0, gain 1 (x alpha)
+    m.now = 3
+    m.stored(key(2), 60, 0)  # newer, less gain: recency 1, gain 0
+    assert m.victim(lambda k: True) == key(expected)
+
+
+def test_value_counts_two_restores_for_one_more_than_a_fresh_state():
+    v = ValueEviction()
+    v.stored(key(1), 64, 0)
+    v.used(key(1), True, 64)  # worth 64 x 2 = 128
+    v.stored(key(2), 100, 0)  # worth 100: goes first
+    assert v.victim(lambda k: True) == key(2)
+
+
+def test_value_tau_is_twice_the_mean_reuse_distance():
+    v = ValueEviction()
+    v.stored(key(1), 64, 0)
+    v.now = 4
+    v.used(key(1), True, 64)
+    assert v.tau == 8.0
+    v.now = 6
+    v.used(key(1), True, 64)  # distances 4 and 2
+    assert v.tau == 6.0
+
+
+@pytest.mark.parametrize("now, keyed", [(40, 64.0), (16, 64.0), (64, 64.0), (80, 160.0), (10, 20.0)])
+def test_value_rekeys_the_heap_only_when_tau_leaves_half_to_twice_the_keyed_one(now, keyed):
+    v = ValueEviction()  # tau 64 until a reuse is seen
+    v.stored(key(1), 64, 0)
+    v.now = now
+    v.used(key(1), True, 64)  # tau = 2 x now
+    assert v._keyed_tau == keyed
+
+
+def test_value_compacts_its_heap_after_twice_the_states_plus_64_stale_keys():
+    v = ValueEviction()
+    v.stored(key(1), 64, 0)
+    v.stored(key(2), 64, 0)
+    v.now = 40
+    v.used(key(1), True, 64)  # tau 80: within twice the keyed 64, no re-key (3 heap keys)
+    uses = 0
+    while v._keyed_tau == 64.0 and uses < 80:  # the compaction re-keys with the current tau
+        v.used(key(2), False, 64)
+        uses += 1
+    assert uses == 66 and v._keyed_tau == 80.0 and len(v._heap) == 2
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_value_breaks_ties_by_the_order_states_were_stored(compact):
+    v = ValueEviction()
+    v.stored(key(2), 64, 0)
+    v.stored(key(1), 64, 0)  # the same worth, stored later
+    v.stored(key(3), 4096, 0)
+    for _ in range(70 if compact else 0):
+        v.used(key(3), False, 4096)
+    assert v.victim(lambda k: True) == key(2)
+
+
+def test_value_drops_states_gone_from_the_pool_and_puts_pinned_ones_back():
+    v = ValueEviction()
+    for i in (1, 2, 3):
+        v.stored(key(i), 64 * i, 0)
+    assert v.victim(lambda k: None if k == key(1) else k == key(3)) == key(3)  # 1 gone, 2 pinned
+    assert key(1) not in v.known() and v.victim(lambda k: True) == key(2)

@@ -191,7 +191,7 @@ def test_check_integrity_catches_a_corrupt_spare_queue(corrupt, message):
     pool.free(blocks)
     pool.check_integrity()
     corrupt(pool, blocks)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError, match=f"^{message}$"):
         pool.check_integrity()
 
 
@@ -199,7 +199,7 @@ def test_check_integrity_catches_spare_blocks_without_a_hook():
     pool, blocks = cached_pool(2, set())
     pool.free(blocks)
     pool.keeps = None
-    with pytest.raises(AssertionError, match="spare blocks without a keeps hook"):
+    with pytest.raises(AssertionError, match="^spare blocks without a keeps hook$"):
         pool.check_integrity()
 
 
@@ -240,3 +240,101 @@ def test_under_eagle_drop_the_support_reaches_one_alignment_unit_past_the_state(
     assert groups.support.reach_tokens == reach > 0
     kept = [full.pool.keeps(hashes.prefix_hash(16 * i)) for i in range(1, 13)]
     assert kept == [16 * i <= 128 + reach for i in range(1, 13)]
+
+
+# ---- exact edges (mutation testing, 6 Dec) ------------------------------------------------------
+def test_without_a_drop_a_state_keeps_only_the_units_wholly_below_it():
+    support = KvSupport([])  # default reach: none
+    a = chain(list(range(64)))
+    support.stored(1, a.prefix_hash(48), a, 63)  # the unit ending at 64 is not wholly below 63
+    assert live(support, a) == [True, True, True, False]
+    assert groups_with("value").support.reach_tokens == 0
+
+
+def test_a_state_at_position_0_anchors_on_its_own_node_even_with_its_hashes():
+    support = KvSupport([])
+    a = chain(list(range(64)))
+    support.stored(1, a.prefix_hash(32), a, 0)
+    assert live(support, a) == [False, True, False, False]
+    support.removed(1, a.prefix_hash(32))
+    assert support.num_live_nodes == 0
+
+
+def test_a_spare_block_goes_back_to_the_kept_queue_when_a_state_comes_to_need_it():
+    pool = BlockPool(4)
+    support = KvSupport([pool])
+    a = chain(list(range(32)))
+    blocks = pool.allocate(2)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, a.hashes[i])
+    pool.free(blocks)
+    assert pool.num_spare_blocks == 2
+    support.stored(1, a.prefix_hash(16), a, 16)
+    assert pool.num_spare_blocks == 1 and pool._spare.keys() == {blocks[1].block_id}
+    pool.check_integrity()
+
+
+def test_reconsider_with_an_unchanged_answer_leaves_both_queues_alone():
+    pool, blocks = cached_pool(2, {h(0)})
+    pool.free(blocks)
+    pool.reconsider(h(0))  # kept, still kept
+    pool.reconsider(h(1))  # spare, still spare
+    assert (pool.num_spare_blocks, pool.num_free_blocks) == (1, 3)
+    pool.check_integrity()
+
+
+def test_caching_onto_a_free_empty_block_counts_one_empty_block_less_and_asks_the_hook():
+    pool = BlockPool(6)
+    pool.keeps = {h(0)}.__contains__
+    a, b = pool.allocate(2)
+    pool.free([a, b])  # 5 empty blocks
+    pool.cache_block(a, h(0))
+    pool.cache_block(b, h(1))  # not kept: spare at once
+    assert (pool.num_free_empty_blocks, pool.num_spare_blocks) == (3, 1)
+    pool.check_integrity()
+
+
+def test_touching_a_free_empty_block_counts_one_empty_block_less():
+    pool = BlockPool(4)
+    pool.touch([pool.blocks[2]])
+    assert pool.num_free_empty_blocks == 2 and pool.blocks[2].ref_cnt == 1
+    pool.check_integrity()
+
+
+def test_check_integrity_names_a_wrong_count_of_empty_free_blocks():
+    pool, blocks = cached_pool(2, {h(0)})
+    pool.free(blocks)
+    pool._num_free_empty += 1
+    with pytest.raises(AssertionError, match="^count of empty free blocks wrong$"):
+        pool.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lru", "marconi", "value"])
+def test_each_mamba_group_gets_the_configured_policy_with_its_page_bytes(policy):
+    layout = CacheLayout((parse_group_spec("full:16"), parse_group_spec("mamba:64")))
+    groups = GroupManagers(HybridCoordinator(layout, EagleMode.OFF), [BlockPool(40, 0), BlockPool(12, 1)],
+                           mamba_options={"page_size_bytes": 4096}, eviction=EvictionConfig(policy))
+    assert groups.managers[1].eviction.name == policy and groups.managers[1].eviction.page_bytes == 4096
+    assert groups_with(policy).managers[1].eviction.page_bytes == 1
+
+
+def test_pages_cached_and_evicted_behind_the_managers_back_reach_the_support():
+    groups = groups_with("value")
+    mamba = groups.managers[1]
+    a = chain(list(range(64)))
+    key = a.prefix_hash(64)
+    (page,) = mamba.pool.allocate(1)
+    mamba.pool.cache_block(page, key)  # a transfer registers a state in the pool
+    mamba.pool.free([page])
+    mamba._adopt()
+    assert live(groups.support, a) == [False, False, False, True]
+    assert mamba.pool.evict(key)
+    mamba._adopt()
+    assert groups.support.num_live_nodes == 0
+
+
+def test_a_state_at_position_1_reaches_past_itself_under_a_drop():
+    support = KvSupport([], reach_tokens=16)
+    a = RequestBlockHashes(1, list(range(32)))  # one token per hash unit
+    support.stored(1, a.prefix_hash(1), a, 1)
+    assert live(support, a) == [True] * 17 + [False] * 15

@@ -10,6 +10,7 @@ import pytest
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.block_pool import BlockPool, PoolExhaustedError
 from cache_service.coordinator import HybridCoordinator
+from cache_service.eviction import make_eviction
 from cache_service.eviction_policy import StateEntry as _Entry
 from cache_service.mamba_manager import MambaManager
 from cache_service.simulate import make_tokens
@@ -257,3 +258,76 @@ def test_a_transferred_page_is_ranked_before_anyone_used_it():
     m.pool.free([page])
     assert m.snapshot(b, 1, 192)
     assert set(m.pool.cached) == {a.prefix_hash(128), b.prefix_hash(192)} and m.num_evictions == 1
+
+
+# ---- the budget's admission path and the adoption before evicting (mutation testing, 6 Dec) ------
+def test_a_snapshot_already_cached_under_marconi_records_a_use_and_no_reuse():
+    m = make_manager(eviction=make_eviction("marconi"))
+    h = hashes()
+    assert m.snapshot(h, 1, 64) and not m.snapshot(h, 1, 64)
+    assert m.eviction.known()[h.prefix_hash(64)].num_reuses == 0
+
+
+def test_a_grid_snapshot_does_not_displace_a_boundary_state_that_a_boundary_one_would():
+    m = make_manager(max_retained_pages=1)
+    assert m.snapshot(hashes(1), 1, 64)
+    assert not m.snapshot(hashes(2), 1, 256, periodic=True)
+    assert m.snapshot(hashes(2), 1, 256)
+
+
+def test_when_the_victim_is_the_parent_the_gain_counts_from_the_state_below_it():
+    m = make_manager(max_retained_pages=1)
+    h = hashes()
+    assert m.snapshot(h, 1, 64)
+    m.restore("r", h, 64)  # reused: worth 64 x 2
+    assert m.snapshot(h, 1, 192)  # evicting its parent at 64: worth 192 from 0, more than 128
+    assert set(m.pool.cached) == {h.prefix_hash(192)}
+
+
+def test_when_the_victim_is_not_the_parent_the_gain_counts_from_the_parent():
+    m = make_manager(max_retained_pages=2)
+    h = hashes()
+    assert m.snapshot(h, 1, 64)
+    m.restore("r", h, 64)  # reused: the parent of h's later states
+    assert m.snapshot(hashes(2), 1, 64)  # worth 64, the cheapest
+    assert not m.snapshot(h, 1, 128)  # worth 128 - 64 = 64: no more than the cheapest
+
+
+def test_the_parent_can_sit_at_position_1_with_a_block_size_of_1():
+    one = MambaManager(1, MambaSpec(1), BlockPool(8, 1), HybridCoordinator(CacheLayout((MambaSpec(1),))),
+                       RecordingBackend())
+    h = RequestBlockHashes(1, [3, 1, 4, 1, 5])
+    assert one.snapshot(h, 0, 1)
+    one.restore("r", h, 1)
+    assert one.snapshot(h, 0, 3)
+    assert one.eviction.known()[h.prefix_hash(3)].gain == one.eviction.gain(3, 1) != one.eviction.gain(3, 0)
+
+
+def test_a_page_cached_behind_the_managers_back_is_adopted_before_one_page_is_evicted():
+    m = make_manager(4)  # 3 usable pages
+    (page,) = m.pool.allocate(1)
+    m.pool.cache_block(page, hashes(1).prefix_hash(64))  # a transfer
+    m.pool.free([page])
+    m.restore("a", hashes(5), 0)
+    m.restore("b", hashes(6), 0)
+    m.restore("c", hashes(7), 0)  # one page needed, the transferred one evicted through the policy
+    assert m.num_evictions == 1 and m.eviction.known() == {}
+
+
+def test_a_parent_above_the_first_block_that_is_the_victim_is_looked_below():
+    m = make_manager(max_retained_pages=1)
+    h = hashes()
+    assert m.snapshot(h, 1, 128)
+    m.restore("r", h, 128)  # reused: worth 128 x 2
+    assert m.snapshot(h, 1, 320)  # its parent goes: worth 320 from 0 (nothing retained at 64)
+    assert set(m.pool.cached) == {h.prefix_hash(320)}
+
+
+def test_a_transferred_page_joins_the_policy_only_when_a_page_must_be_evicted():
+    m = make_manager(4)  # 3 usable pages
+    (page,) = m.pool.allocate(1)
+    m.pool.cache_block(page, hashes(1).prefix_hash(64))
+    m.pool.free([page])
+    m.restore("a", hashes(5), 0)
+    m.restore("b", hashes(6), 0)  # takes the last empty page: nothing to evict, the policy untouched
+    assert m.eviction.known() == {} and m.num_evictions == 0
