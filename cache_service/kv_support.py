@@ -62,6 +62,8 @@ class KvSupport:
             size = hashes.hash_block_size
             chain = hashes.hashes
             top = min(position + self.reach_tokens, len(chain) * size) // size - 1
+            if top < 0:  # below the first whole hash unit: no KV block to keep, its own node only
+                chain, top = [key], 0
         self._anchor[(group_id, key)] = chain[top]
         count, parent = self._count, self._parent
         for i in range(top, -1, -1):

@@ -338,3 +338,15 @@ def test_a_state_at_position_1_reaches_past_itself_under_a_drop():
     a = RequestBlockHashes(1, list(range(32)))  # one token per hash unit
     support.stored(1, a.prefix_hash(1), a, 1)
     assert live(support, a) == [True] * 17 + [False] * 15
+
+
+def test_a_state_below_the_first_whole_hash_unit_anchors_on_its_own_node():
+    """Regression (found by mutation testing): a position inside the first hash unit, no reach,
+    anchored on the chain's last node without counting it, so its removal raised KeyError."""
+    support = KvSupport([])
+    a = chain(list(range(64)))
+    key = a.prefix_hash(16)
+    support.stored(1, key, a, 8)
+    assert support.keeps(key) and support.num_live_nodes == 1
+    support.removed(1, key)
+    assert support.num_live_nodes == 0
