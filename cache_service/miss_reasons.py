@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes, root_hash
@@ -92,9 +92,7 @@ class LookupReport:
                    shared, tuple(hit.candidates), name, position)
 
     def with_reason(self, reason: MissReason, position: int) -> LookupReport:
-        return LookupReport(self.num_prompt_tokens, self.hit_tokens, self.per_group_hits,
-                            self.attention_match_tokens, self.shared_prefix_tokens, self.candidates,
-                            reason.value, position)
+        return replace(self, reason=reason.value, reason_position=position)
 
 
 def describe_reason(reason: str, position: int, alignment: int) -> str:
