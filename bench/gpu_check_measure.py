@@ -58,13 +58,12 @@ def _transfer_rank_body(rank: int, port: int, backend: str, device: str, prompt_
                         out: dict) -> None:
     import torch.distributed as dist
 
+    from bench.transfer import timed_prefix_move, timed_raw_send
     from cache_service.block_hash import RequestBlockHashes
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling_params import SamplingParams
-    from workers.transfer import send_prefix
     from workers.transfer_channel import PairChannel
-    from workers.transfer_recv import recv_prefix
 
     torch.set_num_threads(1)
     cuda = device.startswith("cuda")
@@ -100,29 +99,14 @@ def _transfer_rank_body(rank: int, port: int, backend: str, device: str, prompt_
                kernels=engine.model.kernels.name)
 
     out["phase"] = "raw send"
-    raw_s = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        (channel.isend if rank == 0 else channel.irecv)(payload).wait()
-        sync()
-        raw_s.append(time.perf_counter() - t0)
+    raw_s = [timed_raw_send(channel, rank, payload, barrier, sync) for _ in range(repeats)]
     out["raw_mb_s"] = round(payload.numel() / min(raw_s) / 2**20, 1)
 
     out["phase"] = "transfer"
     transfer_s, stored = [], 0
     for _ in range(repeats):
-        if rank == 1:
-            for pool in engine.cache.pools:  # a full registration each time
-                pool.reset_prefix_cache()
-        barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            send_prefix(engine.cache, hashes, hit, channel)
-        else:
-            stored = recv_prefix(engine.cache, channel)
-        sync()
-        transfer_s.append(time.perf_counter() - t0)
+        seconds, stored = timed_prefix_move(engine, hashes, hit, channel, rank, barrier, sync)
+        transfer_s.append(seconds)
     out.update(transfer_mb_s=round(payload.numel() / min(transfer_s) / 2**20, 1),
                transfer_over_raw=round(min(raw_s) / min(transfer_s), 3), pages_stored=stored, phase="done")
 

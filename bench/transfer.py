@@ -23,6 +23,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _no_sync() -> None:
+    pass
+
+
+def timed_raw_send(channel, rank: int, payload: torch.Tensor, barrier, sync=_no_sync) -> float:
+    """Seconds a raw send (rank 0) or receive (rank 1) of `payload` takes, after a `barrier`
+    (`sync`: wait for the device, where the channel's wait orders only a stream)."""
+    barrier()
+    t0 = time.perf_counter()
+    (channel.isend if rank == 0 else channel.irecv)(payload).wait()
+    sync()
+    return time.perf_counter() - t0
+
+
+def timed_prefix_move(engine, hashes, hit: int, channel, rank: int, barrier, sync=_no_sync) -> tuple[float, int]:
+    """(seconds, pages stored) of `send_prefix` (rank 0) / `recv_prefix` (rank 1) of a `hit`-token
+    prefix, after a `barrier`; the receiver forgets its cached prefix first, so every repeat is a
+    full registration. Pages stored: the receiver's count (0 on rank 0)."""
+    from workers.transfer import send_prefix
+    from workers.transfer_recv import recv_prefix
+
+    if rank == 1:
+        for pool in engine.cache.pools:
+            pool.reset_prefix_cache()
+    barrier()
+    t0 = time.perf_counter()
+    stored = 0
+    if rank == 0:
+        send_prefix(engine.cache, hashes, hit, channel)
+    else:
+        stored = recv_prefix(engine.cache, channel)
+    sync()
+    return time.perf_counter() - t0, stored
+
+
 def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int, queue) -> None:
     torch.set_num_threads(1)
     from workers.transfer_channel import PairChannel
@@ -35,8 +70,6 @@ def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int,
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling_params import SamplingParams
-    from workers.transfer import send_prefix
-    from workers.transfer_recv import recv_prefix
 
     config = EngineConfig(kernels="torch", max_model_len=prompt_len + 64, cache_memory_bytes=512 * 2**20)
     engine = LLMEngine.from_checkpoint(model_dir, config)
@@ -66,20 +99,8 @@ def _worker(rank: int, port: int, model_dir: str, prompt_len: int, repeats: int,
 
     raw_s, transfer_s = [], []
     for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        (channel.isend if rank == 0 else channel.irecv)(payload).wait()
-        raw_s.append(time.perf_counter() - t0)
-        if rank == 1:
-            for pool in engine.cache.pools:  # measure a full registration each time
-                pool.reset_prefix_cache()
-        barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            send_prefix(engine.cache, hashes, hit, channel)
-        else:
-            recv_prefix(engine.cache, channel)
-        transfer_s.append(time.perf_counter() - t0)
+        raw_s.append(timed_raw_send(channel, rank, payload, barrier))
+        transfer_s.append(timed_prefix_move(engine, hashes, hit, channel, rank, barrier)[0])
     if rank == 1:
         nbytes = payload.numel()
         raw, tr = min(raw_s), min(transfer_s)
