@@ -62,3 +62,21 @@ def test_replica_counts_are_read_from_the_controller_at_each_scrape():
     assert "hybridserve_num_replicas 4.0" in text
     assert "# TYPE hybridserve_replica_slots gauge" in text
     assert not [line for line in text.splitlines() if line.startswith("hybridserve_replica_slots")]
+
+
+def test_hit_tokens_by_group_are_each_groups_own_hit_from_the_lookup_report():
+    """Each group counts its own answer at the lookup, not the reconciled hit; an output without a
+    report (a backend that made no lookup) counts nothing."""
+    from cache_service.miss_reasons import LookupReport
+    from workers.engine.request import RequestOutput
+
+    metrics = Metrics()
+    report = LookupReport(num_prompt_tokens=300, hit_tokens=128, per_group_hits=(256, 128, 192),
+                          attention_match_tokens=192, shared_prefix_tokens=256, candidates=(192, 128))
+    out = RequestOutput("r", (1,), (1,), True, "length", 300, 128, 0.01, 0, 0, None, 172, 0, report)
+    metrics.record(out)
+    metrics.record(RequestOutput("s", (1,), (1,), True, "length", 300, 0, 0.01, 0, 0))
+    value = metrics.registry.get_sample_value
+    assert [value("hybridserve_prefix_cache_group_hit_tokens_total", {"group": str(g)}) for g in range(3)] == [
+        256, 128, 192]
+    assert value("hybridserve_prefix_cache_hit_tokens_total") == 128
