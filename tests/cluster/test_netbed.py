@@ -1,0 +1,134 @@
+"""The multi-host test bed (`bench.netbed`): 3 hosts as network namespaces on one bridge, a Ray node
+in each; shaping a link caps the bytes/s a TCP stream measures, cutting it stops traffic until it
+is restored, and neither a clean teardown nor a crashed owner leaves a namespace, veth, bridge,
+route, directory or process behind. Skipped with the reason where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import netbed_net
+from bench.netbed import BedSpec, NetBed, leftovers
+from bench.netbed_probes import can_connect, measure_tcp_rate
+from tests.cluster import netbed_fixture
+
+netbed = netbed_fixture.netbed  # the module's bed (a fixture, used by name)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_each_host_routes_only_the_bed_subnet(netbed):
+    for h in netbed.hosts:
+        routes = netbed.run_in(h, ["ip", "-4", "route"]).stdout.strip().splitlines()
+        assert routes == [f"{netbed_net.subnet(netbed.slot)} dev {h.ifname} proto kernel scope link src {h.address}"]
+    root = subprocess.run(["ip", "route", "get", netbed.hosts[0].address], capture_output=True, text=True)
+    assert root.returncode != 0 and "No route to host" in root.stderr  # the root namespace has no way in
+
+
+@pytest.mark.heavy
+def test_ray_has_one_node_per_host_at_its_address(netbed):
+    r = netbed.run_in(1, [sys.executable, "-m", "tests.cluster.netbed_driver", "nodes", netbed.head_address,
+                          str(len(netbed.hosts)), netbed.hosts[1].address], timeout=90)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    addresses = [h.address for h in netbed.hosts]
+    assert out["nodes"] == sorted(addresses)
+    assert out["driver"] == addresses[1]
+    assert out["pinned"] == addresses  # the task pinned to host i ran at host i's address
+
+
+def test_slow_link_caps_measured_throughput(netbed):
+    rate_bit = 20_000_000
+    unshaped = measure_tcp_rate(netbed, 1, 2, seconds=0.5) * 8
+    netbed.slow_link(2, rate_bit)
+    try:
+        inbound = measure_tcp_rate(netbed, 1, 2, seconds=1.5) * 8
+        outbound = measure_tcp_rate(netbed, 2, 1, seconds=1.5) * 8
+    finally:
+        netbed.restore_link(2)
+    assert unshaped > 4 * rate_bit, unshaped
+    for measured in (inbound, outbound):  # tbf counts frames, TCP counts payload: ~0.96 of the rate here
+        assert 0.25 * rate_bit < measured < 1.5 * rate_bit, (measured, rate_bit)
+    assert measure_tcp_rate(netbed, 1, 2, seconds=0.5) * 8 > 4 * rate_bit  # restored
+
+
+def test_cut_link_stops_traffic_until_restored(netbed):
+    gcs = (0, netbed.spec.ray_port)  # a real listener: host 0's Ray GCS
+    assert can_connect(netbed, 1, *gcs) == (True, "")
+    netbed.cut_link(1)
+    try:
+        ok, error = can_connect(netbed, 1, *gcs, timeout_s=1.0)
+    finally:
+        netbed.restore_link(1)
+    assert not ok and "timed out" in error, error
+    assert can_connect(netbed, 1, *gcs, timeout_s=5.0) == (True, "")
+    assert can_connect(netbed, 2, *gcs) == (True, "")
+
+
+@pytest.mark.heavy
+def test_ray_nodes_survive_a_short_cut(netbed):
+    netbed.cut_link(2)
+    time.sleep(1.0)
+    netbed.restore_link(2)
+    netbed.wait_for_nodes(len(netbed.hosts), time.monotonic() + 30)
+    assert netbed.num_alive_nodes() == len(netbed.hosts)
+
+
+def test_netem_delay_where_the_kernel_has_it(netbed):
+    if reason := netbed.netem_reason():
+        with pytest.raises(netbed_net.LinkFeatureUnavailable, match="no netem"):
+            netbed.delay_link(1, 50)
+        pytest.skip(f"delay and loss not emulated: {reason}")
+    gcs = (0, netbed.spec.ray_port)
+    netbed.delay_link(1, 50)
+    try:
+        t0 = time.perf_counter()
+        assert can_connect(netbed, 1, *gcs, timeout_s=5.0)[0]
+        connect_s = time.perf_counter() - t0
+    finally:
+        netbed.restore_link(1)
+    assert connect_s > 0.1  # the SYN and SYN-ACK each cross the delayed link
+
+
+def test_down_kills_the_bed_processes_and_is_idempotent():
+    netbed_fixture.require_netbed()
+    bed = NetBed(BedSpec(num_hosts=2, with_ray=False)).up()
+    try:
+        sleeper = bed.popen_in(1, ["sleep", "600"])
+        assert netbed_net.pids_in_netns_inodes(set(bed.netns_inodes))
+        assert len(bed.down()) >= 6  # 2 namespaces, 2 veths, the bridge, the route, the dir
+        assert sleeper.wait(timeout=5) == -signal.SIGTERM
+        assert bed.leftovers() == []
+        assert bed.down() == [] and bed.leftovers() == []
+    finally:
+        bed.down()
+
+
+@pytest.mark.heavy
+def test_a_crashed_owner_leaves_nothing_after_down():
+    """`up` killed with SIGKILL (no teardown runs): its Ray nodes live on in their namespaces until
+    `python -m bench.netbed down` removes the bed, and nothing of it is left."""
+    netbed_fixture.require_netbed()
+    owner = subprocess.Popen([sys.executable, "-m", "bench.netbed", "up", "--hosts", "1"], stdout=subprocess.PIPE,
+                             text=True)
+    state = None
+    try:
+        state = json.loads(owner.stdout.readline())
+        owner.kill()
+        owner.wait(timeout=10)
+        orphans = netbed_net.pids_in_netns_inodes(set(state["netns_inodes"]))
+        assert orphans  # the Ray processes outlived their owner
+        down = subprocess.run([sys.executable, "-m", "bench.netbed", "down"], capture_output=True, text=True,
+                              timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert f"slot {state['slot']}: removed netns" in down.stdout
+        assert leftovers(state["slot"], state["netns_inodes"]) == []
+    finally:
+        owner.kill()
+        if state is not None:
+            subprocess.run([sys.executable, "-m", "bench.netbed", "down"], capture_output=True, timeout=60)
