@@ -2,11 +2,16 @@
 
 Simulated replicas (`bench.sim_replicas`: real Ray actors answering from synthetic caches, each
 with the production event publisher) resync into a real cache-service actor and push churn
-while a front door routes prompts through it (asyncio, `concurrency` decisions in flight, each
-hashing its prompt and making one `route` call). Beside it, the same decisions in process
-(hash + `CacheService.route` on an index with the same content, no Ray).
+while a front door routes prompts (asyncio, `concurrency` decisions in flight, each hashing its
+prompt), two ways:
+    read replica   the default: the front door's copy of the index, kept in step with the
+                   service's op log by a follower thread (`cluster.frontdoor.index_follower`)
+    service        `cluster.read_replica: false`: one `route_many` call per batch of decisions
+Beside them, the same decisions in process (hash + `CacheService.route` on an index with the
+same content, no Ray, no churn). Each Ray measurement runs `--repeats` times on the same
+cluster; the table gives the median and the 1-minute load average after the last one.
 
-    decisions/s, p50/p99 ms     through Ray and in process, per R
+    decisions/s, p50/p99 ms     per R and way; at a paced `paced_rate`/s (open loop) and closed loop
     growth                      per-decision cost at the largest R over the smallest
     index bytes per 1M entries  tracemalloc around 1M resynced entries
     resync s for 1M entries     in process, and through Ray (a simulated replica's chunked resync)
@@ -15,7 +20,8 @@ hashing its prompt and making one `route` call). Beside it, the same decisions i
     tiny requests               16 prompt tokens, 1 output token, concurrency 32: the Ray backend's
                                 requests/s over the in-process backend's (`--tiny`, needs the model)
 
-Targets: >= 1,000 decisions/s and p99 <= 10 ms at R = 64; growth 8 -> 256 under 3x; tiny >= 0.7.
+Targets (issue 33): R = 64: p99 <= 10 ms at 1,000 decisions/s and >= 2,000 decisions/s; R = 256:
+p99 <= 25 ms at 1,000/s; cost growth 8 -> 256 <= 2x; tiny >= 0.7.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class PlaneConfig:
     num_hosts: int = 4  # actors hosting the simulated replicas
     churn_blocks_per_s: int = 2000  # cluster-wide stored blocks per second during the measurement
     resync_entries: int = 1_000_000
+    repeats: int = 3  # Ray measurements per R and way (the table: their median)
     seed: int = 0
 
 
@@ -101,11 +108,10 @@ def in_process(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
 def _start(config: PlaneConfig, num_replicas: int, docs, name: str):
     import ray
 
-    from cache_service.service import CacheService
+    from cluster.control.service_actor import start_cache_service
 
     ns = ray.get_runtime_context().namespace
-    service = ray.remote(CacheService).options(name=name, namespace=ns, num_cpus=0, max_restarts=-1).remote(
-        list(GROUPS), "lossless", "", "hybrid", None, config.seed)
+    service = start_cache_service(name, ns, list(GROUPS), "lossless", "", "hybrid", None, config.seed)
     ids = [f"sim-{r}" for r in range(num_replicas)]
     host_cls = ray.remote(num_cpus=0)(SimReplicaHost)
     hosts = [host_cls.remote(ids[h::config.num_hosts], docs, config.docs_per_replica, config.entries_per_replica,
@@ -120,13 +126,26 @@ def _start(config: PlaneConfig, num_replicas: int, docs, name: str):
 
 
 def _decide(batcher):
-    """One front-door decision: hash the prompt, submit it to the route batcher, await the answer."""
+    """One front-door decision through the service: hash the prompt, submit it to the route
+    batcher, await the answer."""
     from cache_service.block_hash import RequestBlockHashes
     from cache_service.messages import RouteRequestMsg
 
     async def decide(tokens, salt):
         hashes = RequestBlockHashes(HASH_BLOCK, tokens, cache_salt=salt).hashes
         return await asyncio.wrap_future(batcher.submit(RouteRequestMsg(tuple(hashes), len(tokens), salt, 16)))
+
+    return decide
+
+
+def _decide_here(mirror):
+    """One front-door decision on its read replica: hash the prompt, route in process."""
+    from cache_service.block_hash import RequestBlockHashes
+    from cache_service.messages import RouteRequestMsg
+
+    async def decide(tokens, salt):
+        hashes = RequestBlockHashes(HASH_BLOCK, tokens, cache_salt=salt).hashes
+        return mirror.route(RouteRequestMsg(tuple(hashes), len(tokens), salt, 16))
 
     return decide
 
@@ -167,33 +186,64 @@ async def _route_paced(decide, prompts, rate: float) -> tuple[list[float], float
     return latencies, time.perf_counter() - t0
 
 
+def _measure(config: PlaneConfig, decide, prompts) -> dict:
+    latencies, wall = asyncio.run(_route_all(decide, prompts, config.concurrency))
+    paced, paced_wall = asyncio.run(_route_paced(decide, prompts, config.paced_rate))
+    at_rate = _summary(paced, paced_wall)
+    return _summary(latencies, wall) | {
+        f"at_{config.paced_rate:.0f}_per_s": {"achieved_per_s": at_rate["decisions_per_s"],
+                                              "p50_ms": at_rate["p50_ms"], "p99_ms": at_rate["p99_ms"]}}
+
+
+def _median_run(runs: list[dict], rate_key: str) -> dict:
+    """The median of each figure over the runs (each run's figures kept under `runs`)."""
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    return {"decisions_per_s": med([r["decisions_per_s"] for r in runs]),
+            "p50_ms": med([r["p50_ms"] for r in runs]), "p99_ms": med([r["p99_ms"] for r in runs]),
+            rate_key: {k: med([r[rate_key][k] for r in runs]) for k in ("achieved_per_s", "p50_ms", "p99_ms")},
+            "runs": runs}
+
+
 def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
+    """Both ways (read replica, service) on one simulated cluster, `repeats` times each, churn on."""
     import ray
 
+    from cache_service.index_mirror import IndexMirror
+    from cluster.frontdoor.index_follower import IndexFollower
     from cluster.frontdoor.routing_client import RouteBatcher
 
     service, hosts = _start(config, num_replicas, docs, f"plane-{num_replicas}-{os.getpid()}")
     batcher = RouteBatcher(lambda: service)
-    decide = _decide(batcher)
+    mirror = IndexMirror("bench-door")
+    follower = IndexFollower(lambda: service, mirror)
+    rate_key = f"at_{config.paced_rate:.0f}_per_s"
     try:
-        asyncio.run(_route_all(decide, prompts[:200], config.concurrency))  # warm-up
+        deadline = time.monotonic() + 60
+        while not mirror.ready or mirror.cursor < ray.get(service.stats.remote())["log_end_seq"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the front door's read replica did not catch up within 60 s")
+            time.sleep(0.05)
+        ways = {"read_replica": _decide_here(mirror), "service": _decide(batcher)}
+        for decide in ways.values():
+            asyncio.run(_route_all(decide, prompts[:200], config.concurrency))  # warm-up
         step_s = 0.02
         blocks = max(1, int(config.churn_blocks_per_s * step_s / config.num_hosts))
         churn = [h.churn.remote(blocks, step_s, 3600) for h in hosts]
+        out: dict = {}
         calls = batcher.num_calls
-        latencies, wall = asyncio.run(_route_all(decide, prompts, config.concurrency))
-        paced, paced_wall = asyncio.run(_route_paced(decide, prompts, config.paced_rate))
+        for way, decide in ways.items():
+            out[way] = _median_run([_measure(config, decide, prompts) for _ in range(config.repeats)], rate_key)
         calls = batcher.num_calls - calls
         for c in churn:
             ray.cancel(c, force=False)
         stats = ray.get(service.stats.remote())
-        at_rate = _summary(paced, paced_wall)
-        return _summary(latencies, wall) | {
-            f"at_{config.paced_rate:.0f}_per_s": {"achieved_per_s": at_rate["decisions_per_s"],
-                                                  "p50_ms": at_rate["p50_ms"], "p99_ms": at_rate["p99_ms"]},
-            "decisions_per_call": round(2 * len(prompts) / calls, 1),
-            "entries": stats["num_entries"], "batches_pushed": stats["batches"]}
+        out["service"]["decisions_per_call"] = round(2 * config.repeats * len(prompts) / calls, 1)
+        out["read_replica"]["ops_followed"] = mirror.num_ops
+        out["read_replica"]["follower_failures"] = follower.num_failures
+        out["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        return out | {"entries": stats["num_entries"], "batches_pushed": stats["batches"]}
     finally:
+        follower.stop()
         for h in hosts:
             ray.kill(h)
         ray.kill(service)
@@ -296,8 +346,9 @@ def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
                                 "ray": through_ray(config, r, docs, prompts)}
         print(f"R={r}: {report['routing'][r]}", file=sys.stderr)
     lo, hi = min(config.replicas), max(config.replicas)
-    for kind in ("in_process", "ray"):
-        a, b = report["routing"][lo][kind], report["routing"][hi][kind]
+    for kind, pick in (("in_process", lambda v: v["in_process"]), ("read_replica", lambda v: v["ray"]["read_replica"]),
+                       ("service", lambda v: v["ray"]["service"])):
+        a, b = pick(report["routing"][lo]), pick(report["routing"][hi])
         report.setdefault("growth", {})[kind] = round(a["decisions_per_s"] / b["decisions_per_s"], 2)
     report["index_memory"] = index_memory(config.resync_entries)
     report["resync_1m"] = {"in_process_s": round(resync_in_process(config.resync_entries), 2),
@@ -312,13 +363,18 @@ def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
 
 def format_table(report: dict) -> str:
     rate = report["config"]["paced_rate"]
-    rows = [f"{'R':>5}{'ray max dec/s':>15}{f'at {rate:.0f}/s p50 ms':>18}{'p99 ms':>8}"
-            f"{'inproc dec/s':>14}{'p50 ms':>8}{'p99 ms':>8}", "-" * 76]
+    rows = [f"median of {report['config']['repeats']} runs per row; load: 1-minute load average after them",
+            f"{'R':>5}  {'way':<13}{'max dec/s':>10}{f'at {rate:.0f}/s p50 ms':>18}{'p99 ms':>8}{'load':>6}",
+            "-" * 60]
     for r, v in report["routing"].items():
-        a, b = v["ray"], v["in_process"]
-        paced = a[f"at_{rate:.0f}_per_s"]
-        rows.append(f"{r:>5}{a['decisions_per_s']:>15}{paced['p50_ms']:>18}{paced['p99_ms']:>8}"
-                    f"{b['decisions_per_s']:>14}{b['p50_ms']:>8}{b['p99_ms']:>8}")
+        for way in ("read_replica", "service"):
+            a = v["ray"][way]
+            paced = a[f"at_{rate:.0f}_per_s"]
+            rows.append(f"{r:>5}  {way:<13}{a['decisions_per_s']:>10.0f}{paced['p50_ms']:>18.2f}"
+                        f"{paced['p99_ms']:>8.2f}{v['ray']['load_avg_1m']:>6.2f}")
+        b = v["in_process"]
+        rows.append(f"{r:>5}  {'in process':<13}{b['decisions_per_s']:>10.0f}{'':>18}{b['p99_ms']:>8.2f}"
+                    "  (closed loop p99)")
     rows.append(f"cost growth (R min -> max): {report['growth']}")
     rows.append(f"index memory: {report['index_memory']}")
     rows.append(f"resync of 1M entries: {report['resync_1m']}")
@@ -333,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", default="8,64,256", help="comma-separated R values")
     p.add_argument("--decisions", type=int, default=PlaneConfig.decisions)
+    p.add_argument("--repeats", type=int, default=PlaneConfig.repeats, help="Ray measurements per R and way")
     p.add_argument("--resync-entries", type=int, default=PlaneConfig.resync_entries)
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-request comparison (needs the model)")
     p.add_argument("--model", default=TINY_TRAINED)
@@ -340,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = PlaneConfig(replicas=tuple(int(x) for x in args.replicas.split(",")), decisions=args.decisions,
-                         resync_entries=args.resync_entries)
+                         resync_entries=args.resync_entries, repeats=args.repeats)
     report = run_all(config, not args.no_tiny, args.model)
     print(format_table(report))
     write_report(args.out, report)

@@ -115,3 +115,64 @@ class RouteDecision:
 
     def hit_on(self, replica_id: str) -> int:
         return next((e.hit_tokens for e in self.estimates if e.replica_id == replica_id), 0)
+
+
+# ---- the service's op log, followed by front doors' read replicas (`index_log`, `index_mirror`) ----
+@dataclass(frozen=True)
+class ReplicaMembershipOp:
+    """`add_replica` (added) or `remove_replica` (not added), as the service applied it."""
+
+    replica_id: str
+    added: bool
+
+
+@dataclass(frozen=True)
+class WholeResyncOp:
+    """`resync` in one call (tests, small caches)."""
+
+    replica_id: str
+    contents: tuple[tuple[BlockHash, ...], ...]
+    next_seq: int
+
+
+@dataclass(frozen=True)
+class RoutedLoadOp:
+    """Work a decision booked on a replica (`LoadBook.add_pending`). `origin`: the read replica
+    that decided it (it booked the work itself and skips this op), or "" for the service."""
+
+    replica_id: str
+    tokens: int
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class IndexOpsMsg:
+    """Ops `[first_seq, first_seq + len(ops))` of the service instance `epoch`. `behind`: the
+    follower asked for ops the log no longer holds (it must load a snapshot)."""
+
+    epoch: str
+    first_seq: int
+    ops: tuple
+    behind: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceSpecMsg:
+    """What a `CacheService` was built with: a read replica builds its own from it."""
+
+    groups: tuple[str, ...]
+    eagle: str
+    model_fingerprint: str
+    policy: str
+    router_config: object  # a `router.RouterConfig` (None: defaults)
+    drop_rule: str
+
+
+@dataclass(frozen=True)
+class IndexSnapshotMsg:
+    """The service's whole routing state after op `seq - 1` (a follower resumes at `seq`)."""
+
+    epoch: str
+    seq: int
+    spec: ServiceSpecMsg
+    state: bytes  # pickled (holders, replicas, purged, loads): shipped as one buffer

@@ -42,9 +42,10 @@ class LoadBook:
         load.report = report
         self.current[replica_id] = report.num_queued_tokens + load.pending_tokens
 
-    def add_pending(self, replica_id: str, tokens: int) -> None:
+    def add_pending(self, replica_id: str, tokens: int, at: float | None = None) -> None:
+        """`at`: when it was booked (default now; a snapshot's entries keep their age)."""
         load = self._loads.setdefault(replica_id, _Load())
-        load.pending.append((self.clock(), tokens))
+        load.pending.append((self.clock() if at is None else at, tokens))
         load.pending_tokens += tokens
         self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
 

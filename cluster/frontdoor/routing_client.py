@@ -1,10 +1,16 @@
-"""A front door's link to the cache service: hash the prompt, one call, one decision.
+"""A front door's link to the cache service: hash the prompt, get (replica, expected hit, optional
+transfer plan).
 
-The front door sends (block hashes, salt, prompt length) and gets (replica, expected hit,
-optional transfer plan). It never pulls events and holds no lock across the call, so decisions
-from many threads and many front doors proceed at once. When the service is down (Ray restarts
-it) or knows no replica yet, the front door routes by its own view of load (its requests in
-flight per replica; ties at random) until the service answers again.
+Where the decision is made:
+    read replica (default)   the front door's own copy of the service's routing state
+                             (`index_follower.IndexFollower` keeps it in step with the service's
+                             op log): decided in process, no Ray call per decision
+    the service              (`read_replica=False`, or while the copy is not ready) one call per
+                             batch of decisions (`RouteBatcher`, `CacheService.route_many`)
+Either way the same `CacheService.route`, on the same index. No lock is held across a Ray call,
+so decisions from many threads and many front doors proceed at once. When the service is down
+(Ray restarts it) or knows no replica yet, the front door routes by its own view of load (its
+requests in flight per replica; ties at random) until the service answers again.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from concurrent.futures import Future
 import ray
 
 from cache_service.block_hash import RequestBlockHashes
+from cache_service.index_mirror import IndexMirror
 from cache_service.messages import RouteDecision, RouteRequestMsg
 from cache_service.router import NoReplicaError
+from cluster.frontdoor.index_follower import IndexFollower
 from workers.replica_messages import GenerateMsg
 
 log = logging.getLogger(__name__)
@@ -71,16 +79,29 @@ class RouteBatcher:
 
 class RoutingClient:
     def __init__(self, service_name: str, namespace: str | None, hash_block_size: int, fingerprint: str,
-                 timeout_s: float = ROUTE_TIMEOUT_S, seed: int | None = None) -> None:
+                 timeout_s: float = ROUTE_TIMEOUT_S, seed: int | None = None, read_replica: bool = True,
+                 client_id: str = "") -> None:
+        """`read_replica`: decide on a copy of the index held here (see the module doc); `client_id`
+        names this front door's bookings in the service's log."""
         self.service_name = service_name
         self.namespace = namespace
         self.hash_block_size = hash_block_size
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
-        self.counters = {"routed": 0, "load_only": 0}
+        self.counters = {"routed": 0, "load_only": 0, "decided_here": 0}
         self._rng = random.Random(seed)
         self._service = None
         self.batcher = RouteBatcher(lambda: self.service, timeout_s=timeout_s)
+        self.mirror = IndexMirror(client_id or f"door-{id(self):x}") if read_replica else None
+        self.follower = IndexFollower(lambda: self.service, self.mirror, on_failure=self._forget_service) \
+            if read_replica else None
+
+    def _forget_service(self) -> None:
+        self._service = None
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
 
     @property
     def service(self):
@@ -103,12 +124,7 @@ class RoutingClient:
         request = RouteRequestMsg(hashes, len(msg.prompt_token_ids),
                                   msg.cache_salt, msg.params.max_tokens, forced if forced in candidates else None,
                                   tuple(exclude), dry_run)
-        try:
-            decision = self.batcher.submit(request).result()  # None: a restarted service that knows no replica
-        except Exception as exc:  # noqa: BLE001 - dead, restarting, not created yet: route by load
-            log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
-            self._service = None
-            decision = None
+        decision = self._decide(request)
         if forced in candidates:
             return forced, decision
         if decision is not None and decision.replica_id in candidates:
@@ -117,3 +133,21 @@ class RoutingClient:
         self.counters["load_only"] += 1
         least = min(candidates.values())
         return self._rng.choice(sorted(r for r, n in candidates.items() if n == least)), None
+
+    def _decide(self, request: RouteRequestMsg) -> RouteDecision | None:
+        """The service's decision (here on the read replica when it is ready); None: no replica
+        known, or the service is unreachable."""
+        if self.mirror is not None and self.mirror.ready:
+            try:
+                decision = self.mirror.route(request)
+                self.counters["decided_here"] += 1
+                return decision
+            except NoReplicaError:
+                if self.mirror.ready:
+                    return None  # the service knows no replica either
+        try:
+            return self.batcher.submit(request).result()  # None: a restarted service that knows no replica
+        except Exception as exc:  # noqa: BLE001 - dead, restarting, not created yet: route by load
+            log.warning("cache service unavailable (%s): routing by load", type(exc).__name__)
+            self._service = None
+            return None

@@ -1,0 +1,90 @@
+"""A front door's read replica of the index, through real Ray: it follows the service actor's op
+log and decides as the service does; a waiting `follow` blocks no event push (its own
+concurrency group); a killed service invalidates it (routing falls back) and the restarted
+instance's snapshot replaces it."""
+
+import time
+
+import pytest
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.messages import BlockRecord, EventBatchMsg, LoadReportMsg, RecordKind, RouteRequestMsg
+from cache_service.simulate import make_tokens
+
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(180)]
+
+GROUPS = ["full:16", "mamba:64"]
+
+
+def _wait(predicate, timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _store(prompt_hashes, upto_tokens: int) -> tuple:
+    """Records storing the prompt's first `upto_tokens` tokens (full blocks + the Mamba key there)."""
+    full = tuple(BlockRecord(RecordKind.STORED, h, 0b01) for h in prompt_hashes[: upto_tokens // 16])
+    return full + (BlockRecord(RecordKind.STORED, prompt_hashes[upto_tokens // 16 - 1], 0b10),)
+
+
+def test_the_read_replica_follows_the_service_and_survives_its_restart(ray_session):
+    ray = ray_session
+    from cluster.control.service_actor import start_cache_service
+    from cluster.frontdoor.routing_client import RoutingClient
+
+    name = "follower-test-service"
+    service = start_cache_service(name, None, GROUPS, "lossless", "fp", "hybrid", None, 0)
+    for r in ("a", "b"):
+        ray.get(service.add_replica.remote(r))
+    client = RoutingClient(name, None, 16, "fp", seed=0, client_id="door-1")
+    mirror, follower = client.mirror, client.follower
+    tokens = make_tokens(512, 7, 1000)
+    hashes = RequestBlockHashes(16, tokens, model_fingerprint="fp").hashes
+    records = _store(hashes, 256)
+    reply = ray.get(service.ingest.remote(EventBatchMsg("a", 0, len(records), records, LoadReportMsg(0, 0, 10, 0))))
+    assert reply.accepted
+
+    end = ray.get(service.stats.remote())["log_end_seq"]
+    _wait(lambda: mirror.ready and mirror.cursor >= end, what="the read replica to catch up")
+    msg = RouteRequestMsg(tuple(hashes), len(tokens), None, 8, dry_run=True)
+    here, there = mirror.route(msg), ray.get(service.route_many.remote([msg]))[0]
+    assert (here.replica_id, here.expected_hit_tokens) == (there.replica_id, there.expected_hit_tokens) == ("a", 256)
+
+    # a waiting follow blocks no push: the push returns and wakes it (a single-threaded service
+    # would hold the push behind the 60-s wait, and both gets below would time out)
+    waiting = service.follow.remote(end, 60.0)
+    more = tuple(r for r in _store(hashes, 384) if r not in records)
+    ingest = service.ingest.remote(EventBatchMsg("a", len(records), len(records) + len(more), more,
+                                                 LoadReportMsg(0, 0, 10, 0)))
+    assert ray.get(ingest, timeout=30).accepted
+    assert len(ray.get(waiting, timeout=30).ops) >= 1
+
+    # decisions made here book their load at the service (and come back to no one twice)
+    end = ray.get(service.stats.remote())["log_end_seq"]
+    _wait(lambda: mirror.cursor >= end, what="the read replica to catch up")
+    want = 3 * (len(tokens) - 384 + 8)  # three decisions, each hitting 384 tokens (on "a", or moved to "b")
+    for _ in range(3):
+        assert client.mirror.route(RouteRequestMsg(tuple(hashes), len(tokens), None, 8)).expected_hit_tokens == 384
+
+    def booked_at_service():
+        return sum(load["queued_tokens"] for load in ray.get(service.stats.remote())["loads"].values())
+
+    assert sum(mirror.state.loads.current.values()) == want
+    _wait(lambda: booked_at_service() >= want, what="the read replica's bookings to reach the service")
+    end = ray.get(service.stats.remote())["log_end_seq"]
+    _wait(lambda: mirror.cursor >= end, what="the read replica to catch up")
+    assert booked_at_service() == sum(mirror.state.loads.current.values()) == want
+
+    # the service dies: the read replica stops deciding at once, then loads the new instance
+    epoch = mirror.epoch
+    snapshots = follower.num_snapshots
+    ray.kill(service, no_restart=False)
+    _wait(lambda: follower.num_snapshots > snapshots and mirror.ready and mirror.epoch != epoch,
+          timeout_s=60, what="a snapshot of the restarted service")
+    assert follower.num_failures >= 1
+    assert set(mirror.state.index.replicas) == set()  # the restarted service knows nothing yet
+    assert mirror.state.index.num_entries == 0
+    client.close()
+    ray.kill(service, no_restart=True)
