@@ -1,6 +1,7 @@
 """Every message across the controller-actor boundary (front doors <-> the detached controller).
 
-    front door --membership()-->           <--MembershipMsg: the replicas (handles, facts, draining)
+    front door --membership()-->           <--MembershipMsg: the replicas (handles, facts, draining),
+                                           versioned within the controller's epoch (a restart: a new one)
     front door --report_failure(id, why)-> the controller checks and purges (stops) the replica
     front door --note_hot(HotPrefixMsg...)  the prompts it served, to warm new replicas with
     front door --transfer(TransferMsg)-->  <--bool: pages moved (one transfer per pair at a time,
@@ -28,6 +29,7 @@ class MembershipMsg:
     replicas: tuple[ReplicaEntryMsg, ...]
     service_name: str
     namespace: str | None
+    epoch: str = ""  # the controller's: a restarted controller counts versions from 0 again
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,24 @@
                       (crash-loop backoff). Never both.
 
 Front doors (`ClusterBackend`) find it by name: a restarted front door or driver reattaches to
-the running cluster instead of starting another. Replicas and the cache service are owned by the
-controller, so they outlive any front door. Messages: `cluster.messages`.
+the running cluster instead of starting another. Replicas (with their placement groups) and the
+cache service are detached named actors, so they outlive any front door and the controller itself.
+
+Restarts: Ray restarts a dead controller (`CONTROLLER_MAX_RESTARTS`) with the same arguments, and
+`__init__` rebuilds from what is running, not from anything it kept:
+
+    replicas        found by name and adopted (`ReplicaSet.adopt`): the same actors, none started
+                    twice; one that does not answer is stopped, as is a placement group without
+                    its replica; then topped up to the floor (num_replicas, or min_replicas)
+    cache service   found by name (`get_if_exists`): its index stays; replicas it still lists but
+                    that are gone are removed from it
+    threads         health checks and the count keeper (autoscaler or restarter) start again
+
+Requests in flight are not the controller's: they stream from the replicas to the front doors and
+go on. Front doors retry what they asked it while it was down (`cluster.frontdoor`). What a
+restart loses: drains in progress (the replica serves again; the autoscaler decides anew), the
+restarter's backoff counts, the hot-prefix book and a count of slots below `num_replicas`.
+Messages: `cluster.messages`.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import threading
 import time
 
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from cache_service.router import RouterConfig
 from cache_service.service import CacheService
@@ -33,10 +50,27 @@ from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.control.replica_set import ReplicaSet
 from cluster.control.transfers import Transfers
 from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
-from cluster.ids import service_name
+from cluster.ids import new_controller_epoch, service_name
 from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg, TransferResult
 
 log = logging.getLogger(__name__)
+
+CONTROLLER_MAX_RESTARTS = -1  # Ray restarts a dead controller, always (as Ray Serve's own controller)
+READY_TIMEOUT_S = 300.0  # a first start loads every replica's model; a restart adopts them
+
+
+def wait_until_ready(controller, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Block until `controller` (a handle) answers. While Ray restarts it, calls fail with
+    `ActorUnavailableError`: asked again until `timeout_s`. A controller dead for good raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(controller.ready.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            return
+        except ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 class ClusterController:
@@ -47,19 +81,33 @@ class ClusterController:
         self.config = config
         self.namespace = ray.get_runtime_context().namespace
         self.service_name = service_name(cluster_name)
-        self.replicas = ReplicaSet(model_dir, engine_config, config, self.service_name, self.namespace,
+        self.epoch = new_controller_epoch()  # front doors see a restart by it (the version counts from 0 again)
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.replicas = ReplicaSet(model_dir, engine_config, config, cluster_name, self.namespace,
                                    secrets.token_hex(16), replica_cls, on_purge=self._on_purge)
         self._version = 0
         self._lock = threading.RLock()
         self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
-        initial = self.replicas.add(config.num_replicas)
-        first = next(iter(self.replicas.replicas.values())).info
-        self.service = ray.remote(CacheService).options(
-            name=self.service_name, namespace=self.namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
+        service = self._running_service()
+        listed = self._service_replicas(service)
+        self.adopted = self.replicas.adopt(listed)
+        scaling = config.autoscaler is not None and self.adopted  # restarted: the autoscaler goes on from min
+        floor = config.autoscaler.min_replicas if scaling else config.num_replicas
+        started = self.replicas.add(max(0, floor - len(self.adopted)))
+        first = self.replicas.get(self.replicas.ids[0]).info
+        self.service = service or ray.remote(CacheService).options(
+            name=self.service_name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+            max_restarts=-1, max_task_retries=0,
         ).remote(list(first.groups), first.eagle, first.fingerprint, router.policy, router,
                  drop_rule=engine_config.drop_rule)
-        ray.get([self.service.add_replica.remote(r) for r in self.replicas.ids])
-        self.replicas.attach_all()
+        gone = set(listed) - set(self.adopted)  # died while no controller watched: out of the index
+        ray.get([self.service.remove_replica.remote(r) for r in gone]
+                + [self.service.add_replica.remote(r) for r in started])
+        self.replicas.attach(started)  # the adopted ones push to the (same, named) service already
+        initial = self.adopted + started
+        if self.restarted:
+            log.warning("controller restarted: %d replicas adopted, %d started, %d gone", len(self.adopted),
+                        len(started), len(gone))
         self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
         estimate = functools.partial(dry_run_estimate, self.service, first.hash_block_size, first.fingerprint,
                                      self.replicas.routable)
@@ -73,6 +121,23 @@ class ClusterController:
             threading.Thread(target=self._health_loop, name="replica-health", daemon=True).start()
         self.keeper.start()
 
+    def _running_service(self):
+        """The cache service if it runs (this controller was restarted), else None."""
+        try:
+            return ray.get_actor(self.service_name, namespace=self.namespace)
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _service_replicas(service) -> list[str]:
+        """The replicas a running cache service knows (none if it is not running or answering)."""
+        if service is None:
+            return []
+        try:
+            return list(ray.get(service.stats.remote(), timeout=30)["replicas"])
+        except Exception:  # noqa: BLE001 - restarting: it learns the live replicas from their pushes
+            return []
+
     # ---- membership ---------------------------------------------------------------------------
     def ready(self) -> bool:
         return True
@@ -81,7 +146,7 @@ class ClusterController:
         with self._lock:
             entries = tuple(ReplicaEntryMsg(r.replica_id, r.actor, r.info, r.draining)
                             for r in self.replicas.replicas.values())
-            return MembershipMsg(self._version, entries, self.service_name, self.namespace)
+            return MembershipMsg(self._version, entries, self.service_name, self.namespace, self.epoch)
 
     def _changed(self) -> None:
         with self._lock:
@@ -201,7 +266,8 @@ class ClusterController:
         return {"replica_deaths": self.replicas.num_deaths, "replica_restarts": self.keeper.num_restarts,
                 "replica_restart_failures": self.keeper.num_failed_restarts, **self.transfers.counters,
                 "version": self._version, "num_replicas": len(self.replicas.replicas),
-                "replica_slots": self.keeper.num_slots}
+                "replica_slots": self.keeper.num_slots, "epoch": self.epoch, "restarted": self.restarted,
+                "replicas_adopted": len(self.adopted)}
 
     def shutdown(self) -> None:
         self._stop.set()

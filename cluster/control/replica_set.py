@@ -8,6 +8,11 @@ sits in bundle 0; the TPWorker actors of ranks 1..n-1 in the group's other bundl
 Purging (a replica died, reports itself unhealthy, or stopped answering health checks) always
 kills the actor and removes its placement group: a purged replica never keeps running beside
 its replacement, so the autoscaler's count is the number of live actors.
+
+Replica actors and their placement groups are detached and named (`cluster.ids`): they outlive
+the controller that started them, and a restarted controller takes them over (`adopt`), as Ray
+Serve's controller recovers its replicas by name. Anything of the cluster's it does not adopt is
+stopped, and `shutdown` stops every one of them, adopted or not.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import ray
@@ -22,13 +28,21 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import ClusterConfig
 from cluster.control.replica_count import REMOVED
-from cluster.ids import placement_group_name, replica_id
+from cluster.ids import (
+    placement_group_name,
+    replica_actor_name,
+    replica_actor_prefix,
+    replica_id,
+    replica_number,
+    service_name,
+)
 from workers.replica import ReplicaUnhealthyError, TransferReplica, actor_options
 from workers.replica_messages import ReplicaInfoMsg
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
+ADOPT_TIMEOUT_S = 60.0  # a found replica still loading its model this long is stopped, not adopted
 
 
 @dataclass
@@ -42,14 +56,15 @@ class ReplicaHandle:
 
 
 class ReplicaSet:
-    def __init__(self, model_dir: str, engine_config, config: ClusterConfig, service_name: str, namespace: str | None,
+    def __init__(self, model_dir: str, engine_config, config: ClusterConfig, cluster_name: str, namespace: str | None,
                  secret: str, replica_cls: type = TransferReplica, on_purge=None) -> None:
-        """`config`: replica resources, TP size, streams per replica.
+        """`config`: replica resources, TP size, streams per replica; `cluster_name`: the actor names'.
         `on_purge(replica_id, reason)`: called after a replica was purged (index, channels, restarts)."""
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.config = config
-        self.service_name = service_name
+        self.cluster_name = cluster_name
+        self.service_name = service_name(cluster_name)
         self.namespace = namespace
         self.secret = secret
         self._cls = ray.remote(**actor_options(config.max_streams_per_replica))(replica_cls)
@@ -63,6 +78,8 @@ class ReplicaSet:
     # ---- lifecycle --------------------------------------------------------------------------
     def add(self, n: int) -> list[str]:
         """Start `n` replicas in parallel and wait until they serve."""
+        if n <= 0:
+            return []
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -73,13 +90,14 @@ class ReplicaSet:
         started = []
         for node in self.spread(n):
             rid = replica_id(next(self._ids))
-            pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK",
+            pg = placement_group([dict(bundle) for _ in range(c.tp_size)], strategy="STRICT_PACK", lifetime="detached",
                                  name=placement_group_name(self.service_name, rid), _soft_target_node_id=node)
             rank0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
             ranks = {"num_cpus": c.num_cpus_per_rank, "num_gpus": c.num_gpus_per_rank,
                      "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=-1)}
             actor = self._cls.options(num_cpus=c.num_cpus_per_rank, num_gpus=c.num_gpus_per_rank, max_restarts=0,
-                                      scheduling_strategy=rank0).remote(
+                                      name=replica_actor_name(self.cluster_name, rid), namespace=self.namespace,
+                                      lifetime="detached", scheduling_strategy=rank0).remote(
                 rid, self.model_dir, self.engine_config, c.tp_size, c.distributed_backend, None, None,
                 c.max_streams_per_replica, ranks if c.tp_size > 1 else None)
             started.append((rid, actor, pg))
@@ -124,11 +142,77 @@ class ReplicaSet:
             out.append(node)
         return out
 
-    def attach_all(self) -> None:
-        """Point every replica's event publisher at the cache service (after it exists)."""
+    def attach(self, replica_ids: list[str]) -> None:
+        """Point these replicas' event publishers at the cache service (after it exists)."""
         with self._lock:
-            actors = [r.actor for r in self.replicas.values()]
+            actors = [self.replicas[r].actor for r in replica_ids]
         ray.get([a.attach_service.remote(self.service_name, self.namespace) for a in actors])
+
+    # ---- a restarted controller -----------------------------------------------------------------
+    def adopt(self, known_ids: Iterable[str] = (), timeout_s: float = ADOPT_TIMEOUT_S) -> list[str]:
+        """Take over this cluster's live replica actors, found by name, with their placement
+        groups (a restarted controller; none on a first start). A found replica that does not
+        answer `describe` within `timeout_s` or loaded another model is stopped; placement groups
+        no adopted replica sits in are removed. Adopted replicas get this set's transfer secret.
+        New ids continue past every id seen (`known_ids`: the cache service's too): none is reused.
+        Returns the adopted ids."""
+        found, groups = self._named_replicas(), self._replica_groups()
+        seen = [replica_number(r) for r in (*known_ids, *found, *groups)]
+        self._ids = itertools.count(max((n for n in seen if n is not None), default=-1) + 1)
+        refs = {rid: actor.describe.remote() for rid, actor in found.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        adopted = []
+        for rid, actor in sorted(found.items()):
+            pg = groups.pop(rid, None)
+            try:
+                if refs[rid] not in ready:
+                    raise TimeoutError(f"no answer in {timeout_s:.0f} s")
+                info = ray.get(refs[rid])
+                if self.fingerprint is not None and info.fingerprint != self.fingerprint:
+                    raise RuntimeError(f"a different model ({info.fingerprint})")
+                ray.get(actor.set_transfer_secret.remote(self.secret), timeout=CONTROL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - not adopted: stopped, never left running unseen
+                log.warning("replica %s not adopted (%s): stopping it", rid, exc)
+                self._stop(actor, pg)
+                continue
+            self.fingerprint = info.fingerprint
+            with self._lock:
+                self.replicas[rid] = ReplicaHandle(rid, actor, info, pg)
+            adopted.append(rid)
+        for rid, pg in groups.items():  # its replica is gone: nothing may hold its resources
+            log.warning("placement group of %s has no replica: removing it", rid)
+            self._stop(None, pg)
+        if adopted:
+            log.info("replicas adopted: %s", ", ".join(adopted))
+        return adopted
+
+    def _named_replicas(self) -> dict[str, object]:
+        """This cluster's live replica actors, by id (found by their names)."""
+        prefix = replica_actor_prefix(self.cluster_name)
+        out = {}
+        for name in ray.util.list_named_actors():
+            n = replica_number(name, prefix)
+            if n is not None:
+                try:
+                    out[replica_id(n)] = ray.get_actor(name, namespace=self.namespace)
+                except ValueError:  # died meanwhile
+                    pass
+        return out
+
+    def _replica_groups(self) -> dict[str, object]:
+        """This cluster's replica placement groups not removed yet, by replica id."""
+        from ray.util.placement_group import get_placement_group, placement_group_table
+
+        prefix = placement_group_name(self.service_name, replica_id(0))[:-1]
+        out = {}
+        for group in placement_group_table().values():
+            n = replica_number(group.get("name") or "", prefix)
+            if n is not None and group.get("state") != "REMOVED":
+                try:
+                    out[replica_id(n)] = get_placement_group(group["name"])
+                except ValueError:  # removed meanwhile
+                    pass
+        return out
 
     def purge(self, replica_id: str, reason: str) -> bool:
         """Forget and stop a replica (`reason`: REMOVED when on purpose, else why it was purged:
@@ -155,7 +239,8 @@ class ReplicaSet:
         from ray.util.placement_group import remove_placement_group
 
         try:
-            ray.kill(actor, no_restart=True)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
         if pg is not None:
@@ -200,6 +285,8 @@ class ReplicaSet:
             return sorted(r for r, rep in self.replicas.items() if not rep.draining)
 
     def shutdown(self) -> None:
+        """Stop every replica actor and placement group of the cluster (detached: nothing else
+        would), those this set does not know included."""
         with self._lock:
             reps = list(self.replicas.values())
             self.replicas.clear()
@@ -209,3 +296,11 @@ class ReplicaSet:
             pass
         for rep in reps:
             self._stop(rep.actor, rep.placement_group)
+        try:
+            groups = self._replica_groups()
+            for rid, actor in self._named_replicas().items():
+                self._stop(actor, groups.pop(rid, None))
+            for pg in groups.values():
+                self._stop(None, pg)
+        except Exception:  # noqa: BLE001 - Ray going down meanwhile
+            log.debug("replica sweep at shutdown failed", exc_info=True)

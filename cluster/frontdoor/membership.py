@@ -1,8 +1,9 @@
 """A front door's copy of the controller's replica membership (handles, facts, draining).
 
-Refreshed when the controller's version changes (polled, and at once after a failure), so a
-purge, a new replica or a drain reaches every front door. This front door's own requests per
-replica (`num_inflight`) survive refreshes: they are its load view while the service is down.
+Refreshed when the controller's version or epoch changes (polled, and at once after a failure),
+so a purge, a new replica, a drain or a restarted controller's view reaches every front door.
+This front door's own requests per replica (`num_inflight`) survive refreshes: they are its load
+view while the service is down.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class MembershipView:
     def __init__(self, controller) -> None:
         self.controller = controller
         self.version = -1
+        self.epoch: str | None = None
         self.replicas: dict[str, MemberReplica] = {}
         self.service_name = ""
         self.namespace = None
@@ -42,14 +44,15 @@ class MembershipView:
         """Fetch the membership; True if it changed."""
         msg = ray.get(self.controller.membership.remote(), timeout=MEMBERSHIP_TIMEOUT_S)
         with self._lock:
-            if msg.version == self.version:
+            if (msg.epoch, msg.version) == (self.epoch, self.version):
                 return False
             old = self.replicas
             self.replicas = {e.replica_id: MemberReplica(e.replica_id, e.actor, e.info, draining=e.draining,
                                                          num_inflight=old[e.replica_id].num_inflight
                                                          if e.replica_id in old else 0)
                              for e in msg.replicas}
-            self.version, self.service_name, self.namespace = msg.version, msg.service_name, msg.namespace
+            self.version, self.epoch = msg.version, msg.epoch
+            self.service_name, self.namespace = msg.service_name, msg.namespace
             return True
 
     def drop(self, replica_id: str) -> None:
