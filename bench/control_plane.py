@@ -59,6 +59,7 @@ class PlaneConfig:
     churn_blocks_per_s: int = 2000  # cluster-wide stored blocks per second during the measurement
     resync_entries: int = 1_000_000
     repeats: int = 3  # Ray measurements per R and way (the table: their median)
+    shards: tuple[int, ...] = (1, 2)  # index shards measured (1: also the route through the service)
     seed: int = 0
 
 
@@ -105,24 +106,29 @@ def in_process(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
 
 
 # ---- through Ray -----------------------------------------------------------------------------------
-def _start(config: PlaneConfig, num_replicas: int, docs, name: str):
+def _start(config: PlaneConfig, num_replicas: int, docs, name: str, num_shards: int = 1):
+    """The service (shard 0) and the simulated replicas' hosts, every replica resynced; with
+    `num_shards` > 1 the other shards are started too (`shards` holds every handle)."""
     import ray
 
+    from cache_service.shards import shard_service_name
     from cluster.control.service_actor import start_cache_service
 
     ns = ray.get_runtime_context().namespace
-    service = start_cache_service(name, ns, list(GROUPS), "lossless", "", "hybrid", None, config.seed)
+    shards = [start_cache_service(shard_service_name(name, k), ns, list(GROUPS), "lossless", "", "hybrid", None,
+                                  config.seed) for k in range(num_shards)]
+    service = shards[0]
     ids = [f"sim-{r}" for r in range(num_replicas)]
     host_cls = ray.remote(num_cpus=0)(SimReplicaHost)
     hosts = [host_cls.remote(ids[h::config.num_hosts], docs, config.docs_per_replica, config.entries_per_replica,
-                             name, ns, config.seed + h) for h in range(config.num_hosts)]
+                             name, ns, config.seed + h, 1.0, num_shards) for h in range(config.num_hosts)]
     ray.get([h.start.remote() for h in hosts])
     deadline = time.monotonic() + 300
     while sum(ray.get([h.num_resynced.remote() for h in hosts])) < num_replicas:
         if time.monotonic() > deadline:
             raise RuntimeError("simulated replicas did not resync within 300 s")
         time.sleep(0.2)
-    return service, hosts
+    return (service, hosts) if num_shards == 1 else (shards, hosts)
 
 
 def _decide(batcher):
@@ -204,26 +210,32 @@ def _median_run(runs: list[dict], rate_key: str) -> dict:
             "runs": runs}
 
 
-def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
-    """Both ways (read replica, service) on one simulated cluster, `repeats` times each, churn on."""
+def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts, num_shards: int = 1) -> dict:
+    """Both ways (read replica, service) on one simulated cluster, `repeats` times each, churn on;
+    with `num_shards` > 1 the index is sharded and only the read replica way runs."""
     import ray
 
-    from cache_service.index_mirror import IndexMirror
+    from cache_service.index_mirror import ShardedMirror
     from cluster.frontdoor.index_follower import IndexFollower
     from cluster.frontdoor.routing_client import RouteBatcher
 
-    service, hosts = _start(config, num_replicas, docs, f"plane-{num_replicas}-{os.getpid()}")
+    started, hosts = _start(config, num_replicas, docs, f"plane-{num_replicas}-{num_shards}-{os.getpid()}", num_shards)
+    shards = started if num_shards > 1 else [started]
+    service = shards[0]
     batcher = RouteBatcher(lambda: service)
-    mirror = IndexMirror("bench-door")
-    follower = IndexFollower(lambda: service, mirror)
+    mirror = ShardedMirror("bench-door", num_shards)
+    followers = [IndexFollower(lambda s=s: s, m) for s, m in zip(shards, mirror.shards)]
     rate_key = f"at_{config.paced_rate:.0f}_per_s"
     try:
         deadline = time.monotonic() + 60
-        while not mirror.ready or mirror.cursor < ray.get(service.stats.remote())["log_end_seq"]:
+        ends = [ray.get(s.stats.remote())["log_end_seq"] for s in shards]
+        while not mirror.ready or any(m.cursor < e for m, e in zip(mirror.shards, ends)):
             if time.monotonic() > deadline:
                 raise RuntimeError("the front door's read replica did not catch up within 60 s")
             time.sleep(0.05)
-        ways = {"read_replica": _decide_here(mirror), "service": _decide(batcher)}
+        ways = {"read_replica": _decide_here(mirror)}
+        if num_shards == 1:
+            ways["service"] = _decide(batcher)
         for decide in ways.values():
             asyncio.run(_route_all(decide, prompts[:200], config.concurrency))  # warm-up
         step_s = 0.02
@@ -236,17 +248,21 @@ def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts) -> dict:
         calls = batcher.num_calls - calls
         for c in churn:
             ray.cancel(c, force=False)
-        stats = ray.get(service.stats.remote())
-        out["service"]["decisions_per_call"] = round(2 * config.repeats * len(prompts) / calls, 1)
-        out["read_replica"]["ops_followed"] = mirror.num_ops
-        out["read_replica"]["follower_failures"] = follower.num_failures
+        stats = [ray.get(s.stats.remote()) for s in shards]
+        if calls:
+            out["service"]["decisions_per_call"] = round(2 * config.repeats * len(prompts) / calls, 1)
+        out["read_replica"]["ops_followed"] = sum(m.num_ops for m in mirror.shards)
+        out["read_replica"]["follower_failures"] = sum(f.num_failures for f in followers)
         out["load_avg_1m"] = round(os.getloadavg()[0], 2)
-        return out | {"entries": stats["num_entries"], "batches_pushed": stats["batches"]}
+        return out | {"entries": sum(st["num_entries"] for st in stats),
+                      "batches_pushed": sum(st["batches"] for st in stats)}
     finally:
-        follower.stop()
+        for f in followers:
+            f.stop()
         for h in hosts:
             ray.kill(h)
-        ray.kill(service)
+        for s in shards:
+            ray.kill(s)
 
 
 # ---- memory and resync ---------------------------------------------------------------------------------
@@ -281,25 +297,30 @@ def resync_in_process(num_entries: int) -> float:
     return time.perf_counter() - t0
 
 
-def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) -> dict:
+def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool, num_shards: int = 1) -> dict:
     """One simulated replica with `resync_entries` entries resyncs through Ray; with `kill_midway`
-    the service is killed during it while a front door keeps routing (by load when it must)."""
+    the service (sharded: the replica's shard) is killed during it while a front door keeps
+    routing (by load when it must)."""
     import ray
 
     from cache_service.ids import new_request_id
+    from cache_service.shards import shard_of
     from cluster.frontdoor.routing_client import RoutingClient
     from workers.engine.sampling_params import SamplingParams
     from workers.replica_messages import GenerateMsg
 
-    name = f"plane-resync-{kill_midway}-{os.getpid()}"
+    name = f"plane-resync-{kill_midway}-{num_shards}-{os.getpid()}"
     one = PlaneConfig(**{**asdict(config), "num_hosts": 1, "entries_per_replica": config.resync_entries})
-    service, (host,) = _start(one, 1, docs, name)
+    started, (host,) = _start(one, 1, docs, name, num_shards)
+    shards = started if num_shards > 1 else [started]
+    service = shards[shard_of("sim-0", num_shards)]
     try:
         out: dict = {}
         if not kill_midway:
             out["resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)
             return out
-        client = RoutingClient(name, ray.get_runtime_context().namespace, HASH_BLOCK, "", timeout_s=2.0)
+        client = RoutingClient(name, ray.get_runtime_context().namespace, HASH_BLOCK, "", timeout_s=2.0,
+                               num_shards=num_shards)
         ray.get(host.stop.remote())  # this run drives the resync itself
         resync = host.resync_one.remote("sim-0")
         time.sleep(0.05)
@@ -322,10 +343,12 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool) ->
         out["stale_after"] = stats["replicas"]["sim-0"]["stale"]
         out["recovery_s"] = round(time.perf_counter() - t_kill, 2)
         out["router_counters"] = client.counters
+        client.close()
         return out
     finally:
         ray.kill(host)
-        ray.kill(service)
+        for s in shards:
+            ray.kill(s)
 
 
 # ---- all of it ----------------------------------------------------------------------------------------------
@@ -344,6 +367,8 @@ def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
     for r in config.replicas:
         report["routing"][r] = {"in_process": in_process(config, r, docs, prompts),
                                 "ray": through_ray(config, r, docs, prompts)}
+        for n in (n for n in config.shards if n > 1):
+            report["routing"][r][f"ray_{n}_shards"] = through_ray(config, r, docs, prompts, n)
         print(f"R={r}: {report['routing'][r]}", file=sys.stderr)
     lo, hi = min(config.replicas), max(config.replicas)
     for kind, pick in (("in_process", lambda v: v["in_process"]), ("read_replica", lambda v: v["ray"]["read_replica"]),
@@ -354,6 +379,9 @@ def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
     report["resync_1m"] = {"in_process_s": round(resync_in_process(config.resync_entries), 2),
                            **resync_through_ray(config, docs, prompts, kill_midway=False)}
     report["kill_during_resync"] = resync_through_ray(config, docs, prompts, kill_midway=True)
+    if max(config.shards) > 1:
+        report["kill_during_resync_sharded"] = resync_through_ray(config, docs, prompts, kill_midway=True,
+                                                                  num_shards=max(config.shards))
     if tiny:
         from bench.tiny_requests import tiny_requests
 
@@ -367,11 +395,13 @@ def format_table(report: dict) -> str:
             f"{'R':>5}  {'way':<13}{'max dec/s':>10}{f'at {rate:.0f}/s p50 ms':>18}{'p99 ms':>8}{'load':>6}",
             "-" * 60]
     for r, v in report["routing"].items():
-        for way in ("read_replica", "service"):
-            a = v["ray"][way]
+        ways = [("read replica", v["ray"]["read_replica"], v["ray"]),
+                ("service", v["ray"]["service"], v["ray"])]
+        ways += [(f"{k.split('_')[1]} shards", v[k]["read_replica"], v[k]) for k in v if k.endswith("_shards")]
+        for way, a, run in ways:
             paced = a[f"at_{rate:.0f}_per_s"]
             rows.append(f"{r:>5}  {way:<13}{a['decisions_per_s']:>10.0f}{paced['p50_ms']:>18.2f}"
-                        f"{paced['p99_ms']:>8.2f}{v['ray']['load_avg_1m']:>6.2f}")
+                        f"{paced['p99_ms']:>8.2f}{run['load_avg_1m']:>6.2f}")
         b = v["in_process"]
         rows.append(f"{r:>5}  {'in process':<13}{b['decisions_per_s']:>10.0f}{'':>18}{b['p99_ms']:>8.2f}"
                     "  (closed loop p99)")
@@ -379,6 +409,8 @@ def format_table(report: dict) -> str:
     rows.append(f"index memory: {report['index_memory']}")
     rows.append(f"resync of 1M entries: {report['resync_1m']}")
     rows.append(f"service killed during a 1M-entry resync: {report['kill_during_resync']}")
+    if "kill_during_resync_sharded" in report:
+        rows.append(f"  the same, sharded (the replica's shard killed): {report['kill_during_resync_sharded']}")
     if "tiny_requests" in report:
         rows.append(f"tiny requests (16 in, 1 out, concurrency 32): {report['tiny_requests']}")
     return "\n".join(rows)
@@ -390,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", default="8,64,256", help="comma-separated R values")
     p.add_argument("--decisions", type=int, default=PlaneConfig.decisions)
     p.add_argument("--repeats", type=int, default=PlaneConfig.repeats, help="Ray measurements per R and way")
+    p.add_argument("--shards", default="1,2", help="comma-separated index shard counts measured (1 is always run)")
     p.add_argument("--resync-entries", type=int, default=PlaneConfig.resync_entries)
     p.add_argument("--no-tiny", action="store_true", help="skip the tiny-request comparison (needs the model)")
     p.add_argument("--model", default=TINY_TRAINED)
@@ -397,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = PlaneConfig(replicas=tuple(int(x) for x in args.replicas.split(",")), decisions=args.decisions,
-                         resync_entries=args.resync_entries, repeats=args.repeats)
+                         resync_entries=args.resync_entries, repeats=args.repeats,
+                         shards=tuple(sorted({1, *(int(x) for x in args.shards.split(","))})))
     report = run_all(config, not args.no_tiny, args.model)
     print(format_table(report))
     write_report(args.out, report)

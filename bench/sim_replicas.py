@@ -44,10 +44,13 @@ def synthetic_cache(rng: random.Random, docs: list[list[bytes]], docs_per_replic
 
 
 class SimReplicaHost:
-    """The actor body: replicas `ids`, each publishing to the named cache service."""
+    """The actor body: replicas `ids`, each publishing to the named cache service (with
+    `num_shards` > 1: to the shard holding it, `cache_service.shards`)."""
 
     def __init__(self, ids: list[str], docs: list[list[bytes]], docs_per_replica: int, entries_per_replica: int,
-                 service_name: str, namespace: str | None, seed: int = 0, heartbeat_s: float = 1.0) -> None:
+                 service_name: str, namespace: str | None, seed: int = 0, heartbeat_s: float = 1.0,
+                 num_shards: int = 1) -> None:
+        from cache_service.shards import shard_of, shard_service_name
         from workers.event_publisher import EventPublisher
 
         rng = random.Random(seed)
@@ -55,7 +58,8 @@ class SimReplicaHost:
         self.sinks = {r: EventSink(r) for r in ids}
         self.publishers = {}
         for r in ids:
-            pub = EventPublisher(r, self.sinks[r], self._snapshot(r), service_name, namespace, heartbeat_s=heartbeat_s)
+            shard = shard_service_name(service_name, shard_of(r, num_shards))
+            pub = EventPublisher(r, self.sinks[r], self._snapshot(r), shard, namespace, heartbeat_s=heartbeat_s)
             pub.request_resync()  # start with a chunked resync of the synthetic cache
             pub.on_step(LoadReportMsg(rng.randrange(0, 4096), rng.randrange(0, 8), 1000, 0))
             self.publishers[r] = pub

@@ -19,6 +19,7 @@ until it loads a new snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import zlib
 
@@ -31,6 +32,7 @@ from cache_service.messages import (
 )
 from cache_service.router import NoReplicaError
 from cache_service.service import CacheService
+from cache_service.shards import route_over
 
 
 class _OwnBookings:
@@ -104,3 +106,29 @@ class IndexMirror:
         with self._lock:
             ops, self._own.ops = self._own.ops, []
             return ops
+
+
+class ShardedMirror:
+    """Read replicas of every shard of a sharded index (`shards.py`), one `IndexMirror` each (each
+    followed by its own follower), routing over all of them as `shards.route_over` does; a
+    decision's load is booked on the chosen replica's shard and told to that shard only."""
+
+    def __init__(self, mirror_id: str, num_shards: int = 1) -> None:
+        self.mirror_id = mirror_id
+        self.shards = [IndexMirror(mirror_id) for _ in range(num_shards)]
+
+    @property
+    def ready(self) -> bool:
+        return all(m.ready for m in self.shards)
+
+    def route(self, msg: RouteRequestMsg) -> RouteDecision:
+        """As the service(s) would decide. Raises `NoReplicaError` when a shard's replica is not
+        ready or no replica is known."""
+        if len(self.shards) == 1:
+            return self.shards[0].route(msg)
+        with contextlib.ExitStack() as held:
+            for m in self.shards:  # always in shard order: no deadlock with another router thread
+                held.enter_context(m._lock)
+            if any(m.epoch is None for m in self.shards):
+                raise NoReplicaError("a read replica of the index is not ready")
+            return route_over([m.state for m in self.shards], msg)

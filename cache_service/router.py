@@ -69,6 +69,16 @@ class RouterConfig:
 MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages from the best one)
 
 
+@dataclass(frozen=True)
+class ReplicaHits:
+    """Per replica id: the reconciled hit and the attention match in tokens (absent: 0), and
+    whether the index vouched for any candidate (False: a decision by load only)."""
+
+    hit_tokens: dict[str, int]
+    attention_tokens: dict[str, int]
+    any_vouched: bool
+
+
 class NoReplicaError(RuntimeError):
     """No routable replica (none registered, or all stale/dead)."""
 
@@ -98,21 +108,37 @@ class Router:
             candidates = load.keys() if queued_tokens is not None else self.index.replicas.keys()
         if not candidates:
             raise NoReplicaError("no routable replica")
+        if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
+            return self.decide(ReplicaHits({}, {}, False), num_prompt_tokens, load, candidates, forced)
+        return self.decide(self.hits(hashes, num_prompt_tokens, candidates), num_prompt_tokens, load, candidates,
+                           forced)
+
+    def hits(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, candidates: Collection[str]) -> ReplicaHits:
+        """Each candidate's hit on this router's index (the scatter half of a sharded route: a
+        replica's hit depends on its own entries only)."""
+        everyone = self.index.mask_of(candidates)
+        if not everyone:
+            return ReplicaHits({}, {}, False)
+        scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, everyone)
+        by_bit = self.index.by_bit
+        attention = {by_bit[b]: v for b, v in scores.attention_tokens.items()}
+        hits = attention if self.policy is RoutingPolicy.ATTENTION_OVERLAP else {
+            by_bit[b]: v for b, v in scores.hit_tokens.items()}
+        return ReplicaHits(hits, attention, True)
+
+    def decide(self, scored: ReplicaHits, num_prompt_tokens: int, load: Mapping[str, int],
+               candidates: Collection[str], forced: str | None = None) -> RouteDecision:
+        """The decision given every candidate's hits (the gather half: `scored` may merge the
+        `hits` of several indexes over disjoint replicas)."""
+        if not candidates:
+            raise NoReplicaError("no routable replica")
         policy = self.policy.value
         if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
             replicas = sorted(candidates)
             pick = (replicas[next(self._rr) % len(replicas)] if self.policy is RoutingPolicy.ROUND_ROBIN
                     else self._rng.choice(replicas))
             return RouteDecision(pick, policy, 0, ())
-        everyone = self.index.mask_of(candidates)
-        hits: dict[str, int] = {}
-        attention: dict[str, int] = {}
-        if everyone:
-            scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, everyone)
-            by_bit = self.index.by_bit
-            attention = {by_bit[b]: v for b, v in scores.attention_tokens.items()}
-            hits = attention if self.policy is RoutingPolicy.ATTENTION_OVERLAP else {
-                by_bit[b]: v for b, v in scores.hit_tokens.items()}
+        hits, attention, everyone = scored.hit_tokens, scored.attention_tokens, scored.any_vouched
         special = hits.keys() | attention.keys()
         best_key, best = None, []
         for r in special:

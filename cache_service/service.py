@@ -41,6 +41,7 @@ from cache_service.messages import (
 )
 from cache_service.replica_load import LoadBook
 from cache_service.router import NoReplicaError, Router, RouterConfig, RoutingPolicy
+from cache_service.shards import route_over
 from cache_service.specs import CacheLayout, parse_group_spec
 
 
@@ -120,19 +121,7 @@ class CacheService:
         """The replica to serve `msg`, its expected hit and an optional transfer plan. Every
         replica is scored in one pass; load comes from the replicas' own reports plus what was
         routed to them since. Raises `NoReplicaError` when no replica is known."""
-        candidates = self.index.replicas.keys()
-        if msg.exclude:
-            candidates = candidates - set(msg.exclude)
-        if not candidates:
-            raise NoReplicaError("no live replica known to the cache service")
-        decision = self.router.route(msg.block_hashes, msg.num_prompt_tokens, self.loads.view(), candidates,
-                                     msg.forced_replica)
-        if not msg.dry_run:
-            self.book(RoutedLoadOp(decision.replica_id, msg.num_prompt_tokens - decision.expected_hit_tokens
-                                   + msg.num_output_tokens, self.origin))
-        self.counters["decisions"] += 1
-        self.counters["load_only"] += decision.load_only
-        return decision
+        return route_over([self], msg)
 
     def route_many(self, msgs: list[RouteRequestMsg]) -> list[RouteDecision | None]:
         """`route` for a batch a front door collected while its previous calls were in flight

@@ -15,6 +15,7 @@ requests in flight per replica; ties at random) until the service answers again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -24,9 +25,10 @@ from concurrent.futures import Future
 import ray
 
 from cache_service.block_hash import RequestBlockHashes
-from cache_service.index_mirror import IndexMirror
+from cache_service.index_mirror import ShardedMirror
 from cache_service.messages import RouteDecision, RouteRequestMsg
 from cache_service.router import NoReplicaError
+from cache_service.shards import shard_service_name
 from cluster.frontdoor.index_follower import IndexFollower
 from workers.replica_messages import GenerateMsg
 
@@ -80,34 +82,44 @@ class RouteBatcher:
 class RoutingClient:
     def __init__(self, service_name: str, namespace: str | None, hash_block_size: int, fingerprint: str,
                  timeout_s: float = ROUTE_TIMEOUT_S, seed: int | None = None, read_replica: bool = True,
-                 client_id: str = "") -> None:
+                 client_id: str = "", num_shards: int = 1) -> None:
         """`read_replica`: decide on a copy of the index held here (see the module doc); `client_id`
-        names this front door's bookings in the service's log."""
+        names this front door's bookings in the service's log; `num_shards`: the index's shards
+        (`cache_service.shards`; more than one needs the read replica: until every shard's copy
+        is ready, decisions go by load)."""
+        if num_shards > 1 and not read_replica:
+            raise ValueError("a sharded index is routed on the front door's read replica (read_replica=True)")
         self.service_name = service_name
+        self.num_shards = num_shards
         self.namespace = namespace
         self.hash_block_size = hash_block_size
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.counters = {"routed": 0, "load_only": 0, "decided_here": 0}
         self._rng = random.Random(seed)
-        self._service = None
+        self._services: list = [None] * num_shards
         self.batcher = RouteBatcher(lambda: self.service, timeout_s=timeout_s)
-        self.mirror = IndexMirror(client_id or f"door-{id(self):x}") if read_replica else None
-        self.follower = IndexFollower(lambda: self.service, self.mirror, on_failure=self._forget_service) \
-            if read_replica else None
+        self.mirror = ShardedMirror(client_id or f"door-{id(self):x}", num_shards) if read_replica else None
+        self.followers = [IndexFollower(functools.partial(self.shard, k), m,
+                                        on_failure=functools.partial(self._forget, k))
+                          for k, m in enumerate(self.mirror.shards)] if read_replica else []
 
-    def _forget_service(self) -> None:
-        self._service = None
+    def _forget(self, k: int) -> None:
+        self._services[k] = None
 
     def close(self) -> None:
-        if self.follower is not None:
-            self.follower.stop()
+        for follower in self.followers:
+            follower.stop()
+
+    def shard(self, k: int):
+        """Shard k's actor handle (looked up again after a failure: Ray may have restarted it)."""
+        if self._services[k] is None:
+            self._services[k] = ray.get_actor(shard_service_name(self.service_name, k), namespace=self.namespace)
+        return self._services[k]
 
     @property
     def service(self):
-        if self._service is None:
-            self._service = ray.get_actor(self.service_name, namespace=self.namespace)
-        return self._service
+        return self.shard(0)
 
     def hashes(self, prompt: list[int] | tuple[int, ...], salt: str | None) -> tuple:
         return tuple(RequestBlockHashes(self.hash_block_size, prompt, model_fingerprint=self.fingerprint,
@@ -145,6 +157,8 @@ class RoutingClient:
             except NoReplicaError:
                 if self.mirror.ready:
                     return None  # the service knows no replica either
+        if self.num_shards > 1:
+            return None  # a shard's copy is not ready: by load
         try:
             return self.batcher.submit(request).result()  # None: a restarted service that knows no replica
         except Exception as exc:  # noqa: BLE001 - dead, restarting, not created yet: route by load

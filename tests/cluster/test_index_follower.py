@@ -39,7 +39,7 @@ def test_the_read_replica_follows_the_service_and_survives_its_restart(ray_sessi
     for r in ("a", "b"):
         ray.get(service.add_replica.remote(r))
     client = RoutingClient(name, None, 16, "fp", seed=0, client_id="door-1")
-    mirror, follower = client.mirror, client.follower
+    mirror, follower = client.mirror.shards[0], client.followers[0]
     tokens = make_tokens(512, 7, 1000)
     hashes = RequestBlockHashes(16, tokens, model_fingerprint="fp").hashes
     records = _store(hashes, 256)
@@ -88,3 +88,45 @@ def test_the_read_replica_follows_the_service_and_survives_its_restart(ray_sessi
     assert mirror.state.index.num_entries == 0
     client.close()
     ray.kill(service, no_restart=True)
+
+
+def test_a_sharded_index_is_routed_over_every_shards_read_replica(ray_session):
+    """Two shards through Ray: each replica's events go to its own shard only; the front door's
+    copies of both decide with the hit held on either; a dead shard stops decisions (by load,
+    never on a copy the restarted shard no longer vouches for) until its snapshot is back."""
+    ray = ray_session
+    from cache_service.shards import shard_of, shard_service_name
+    from cluster.control.service_actor import start_cache_service
+    from cluster.frontdoor.routing_client import RoutingClient
+
+    name = "sharded-test-service"
+    shards = [start_cache_service(shard_service_name(name, k), None, GROUPS, "lossless", "fp", "hybrid", None, 0)
+              for k in range(2)]
+    ids = {}
+    for i in range(8):  # one replica on each shard at least
+        ids.setdefault(shard_of(f"rep-{i}", 2), f"rep-{i}")
+    assert len(ids) == 2
+    tokens = make_tokens(512, 9, 1000)
+    hashes = RequestBlockHashes(16, tokens, model_fingerprint="fp").hashes
+    for k, rid in ids.items():
+        ray.get(shards[k].add_replica.remote(rid))
+        records = _store(hashes, 128 * (k + 2))  # shard 1's replica holds the longer prefix
+        assert ray.get(shards[k].ingest.remote(EventBatchMsg(rid, 0, len(records), records))).accepted
+    client = RoutingClient(name, None, 16, "fp", seed=0, client_id="door-s", num_shards=2)
+    ends = [ray.get(s.stats.remote())["log_end_seq"] for s in shards]
+    _wait(lambda: client.mirror.ready and all(m.cursor >= e for m, e in zip(client.mirror.shards, ends)),
+          what="both shards' read replicas")
+    decision = client.mirror.route(RouteRequestMsg(tuple(hashes), len(tokens), None, 8, dry_run=True))
+    assert (decision.replica_id, decision.expected_hit_tokens) == (ids[1], 384)
+    assert {e.replica_id: e.hit_tokens for e in decision.estimates} == {ids[0]: 256, ids[1]: 384}
+    assert ray.get(shards[0].stats.remote())["replicas"].keys() == {ids[0]}  # each shard: its own only
+
+    epoch = client.mirror.shards[1].epoch
+    ray.kill(shards[1], no_restart=False)
+    _wait(lambda: client.mirror.shards[1].epoch != epoch and client.mirror.ready, timeout_s=60,
+          what="a snapshot of the restarted shard")
+    decision = client.mirror.route(RouteRequestMsg(tuple(hashes), len(tokens), None, 8, dry_run=True))
+    assert decision.replica_id == ids[0]  # the restarted shard knows nothing of its replica yet
+    client.close()
+    for s in shards:
+        ray.kill(s, no_restart=True)
