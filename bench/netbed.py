@@ -266,6 +266,7 @@ class NetBed:
 # -- CLI ---------------------------------------------------------------------------------------------
 
 def _status() -> int:
+    num_shown = 0
     for slot in range(net.NUM_SLOTS):
         held = (fd := _try_lock(slot)) is None
         if fd is not None:
@@ -275,11 +276,15 @@ def _status() -> int:
         if held or state or left:
             owner = f"held by pid {state['owner_pid'] if state else '?'}" if held else "no live owner"
             hosts = " ".join(h["address"] for h in state["hosts"]) if state else "-"
-            print(f"slot {slot}: {owner}; hosts {hosts}; {len(left)} namespaces/links")
+            print(f"slot {slot}: {owner}; hosts {hosts}; {len(left)} namespaces/links/routes")
+            num_shown += 1
+    if not num_shown:
+        print("no bed")
     return 0
 
 
 def _down() -> int:
+    num_removed = 0
     for slot in range(net.NUM_SLOTS):
         if (fd := _try_lock(slot)) is None:
             print(f"slot {slot}: held by a live owner, left alone (stop it with Ctrl-C or SIGTERM)")
@@ -287,8 +292,11 @@ def _down() -> int:
         try:
             for what in _clear_slot(slot):
                 print(f"slot {slot}: removed {what}")
+                num_removed += 1
         finally:
             os.close(fd)
+    if not num_removed:
+        print("nothing to remove")
     return 0
 
 

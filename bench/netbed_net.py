@@ -178,9 +178,14 @@ def remove_slot(slot: int) -> list[str]:
         kill_netns_processes(ns)
         sh("ip", "netns", "del", ns, check=False)
         removed.append(f"netns {ns}")
-    for link in (n for n in link_names() if n.startswith(prefix(slot))):
-        sh("ip", "link", "del", link, check=False)
-        removed.append(f"link {link}")
+    deadline = time.monotonic() + 5.0  # a deleted namespace's veths go asynchronously
+    while links := [n for n in link_names() if n.startswith(prefix(slot))]:
+        if time.monotonic() > deadline:
+            raise BedError(f"links of slot {slot} still there after deleting them: {links}")
+        for link in links:
+            if sh("ip", "link", "del", link, check=False).returncode == 0:
+                removed.append(f"link {link}")
+        time.sleep(0.02)
     if _our_route(slot):
         sh("ip", "route", "del", "unreachable", subnet(slot), check=False)
         removed.append(f"route unreachable {subnet(slot)}")
@@ -234,6 +239,18 @@ def netem_reason(h: HostNet) -> str | None:
         return f"{NETEM_MISSING} (`tc qdisc ... netem`: {r.stderr.strip()})"
     sh("tc", "qdisc", "del", "dev", h.veth, "root", check=False)
     return None
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    sent: int  # by the host, onto the bridge
+    received: int
+
+
+def link_bytes(h: HostNet) -> LinkBytes:
+    """The host's link counters, read at its bridge end (whose rx is what the host sent)."""
+    stats = Path(f"/sys/class/net/{h.veth}/statistics")
+    return LinkBytes(int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text()))
 
 
 def set_link(h: HostNet, up: bool) -> None:
