@@ -9,6 +9,7 @@ no fault-injection methods:
                       (`inject_loop_fault()`)
     kill_replica      kill a replica actor without telling anyone (the death is discovered)
     kill_cache_service  kill the cache service; Ray restarts it empty and replicas resync into it
+    kill_controller   kill the controller; Ray restarts it and it adopts the running replicas
 """
 
 from __future__ import annotations
@@ -125,3 +126,8 @@ def kill_replica(backend, replica_id: str) -> None:
 def kill_cache_service(backend) -> None:
     """Ray restarts it (empty); routing goes on by load; the replicas resync into it."""
     ray.kill(backend.service, no_restart=False)
+
+
+def kill_controller(backend) -> None:
+    """Ray restarts it; the restarted controller adopts the replicas and the cache service."""
+    ray.kill(backend.controller, no_restart=False)

@@ -22,6 +22,9 @@ per concept:
          fails with a retryable error)
       4. the cache service is down: route by load until Ray has restarted it; every replica then
          resyncs into it by itself (its next push is refused)
+      5. the controller is down (Ray restarts it; it adopts the running replicas): requests stream
+         on from the replicas; a transfer asked of it recomputes, a failure report is left to its
+         health checks, and the membership is fetched again once it answers (a new epoch)
 
 Verification (tests, `python -m bench.faults`): `index_problems()` lists where the service's
 index differs from the live replicas' caches. Faults are injected through test doubles
@@ -40,7 +43,7 @@ import ray
 from cache_service.router import RouterConfig
 from cache_service.transfer_plan import plan_transfer
 from cluster.config import ClusterConfig
-from cluster.control.controller import AutoscalerProxy, ClusterController
+from cluster.control.controller import CONTROLLER_MAX_RESTARTS, AutoscalerProxy, ClusterController, wait_until_ready
 from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
@@ -49,7 +52,7 @@ from cluster.frontdoor.routing_client import RoutingClient
 from cluster.frontdoor.status import ClusterStatus, DoorMetrics
 from cluster.http.metrics import route_reason
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
-from cluster.messages import TransferMsg
+from cluster.messages import TransferMsg, TransferResult
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -83,10 +86,10 @@ class ClusterBackend:
         except ValueError:
             self.controller = ray.remote(ClusterController).options(
                 name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
-                max_concurrency=64, max_restarts=0, get_if_exists=True,
+                max_concurrency=64, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=0, get_if_exists=True,
             ).remote(self.name, model_dir, engine_config, self.config, self.router, replica_cls)
             self.owns_cluster = True
-        ray.get(self.controller.ready.remote())
+        wait_until_ready(self.controller)
         self.replicas = MembershipView(self.controller)
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
@@ -223,7 +226,10 @@ class ClusterBackend:
         """Route, reserve this front door's count on the target, move pages if planned; the target.
         Raises `NoReplicaError`."""
         if job.forced is not None and self.replicas.get(job.forced) is None:
-            self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
+            try:
+                self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
+            except Exception:  # noqa: BLE001 - the controller restarting: route among those known
+                log.debug("membership refresh failed", exc_info=True)
         with self._lock:
             inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items() if not rep.draining}
         target, decision = self.routing.route(job.msg, inflight, job.forced, exclude)
@@ -255,8 +261,12 @@ class ClusterBackend:
         """Move the pages of a `num_tokens` hit src -> dst (the controller does it: one transfer per
         pair at a time, whichever front door asks). False on any failure (the request recomputes)."""
         t0 = time.perf_counter()
-        result = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src, dst,
-                                                                     num_tokens)))
+        try:
+            result = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src,
+                                                                         dst, num_tokens)))
+        except Exception:  # noqa: BLE001 - the controller died (Ray restarts it): recompute
+            log.warning("transfer %s -> %s not done: the controller is down", src, dst)
+            result = TransferResult(False)
         if self.metrics is not None:
             self.metrics.record_transfer(result.ok, time.perf_counter() - t0, result.num_bytes)
         return result.ok
@@ -294,7 +304,8 @@ class ClusterBackend:
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if stop_cluster if stop_cluster is not None else self.owns_cluster:
-            try:
+            try:  # a restarting controller first: the replicas and the service are detached, it stops them
+                wait_until_ready(self.controller, 60)
                 ray.get(self.controller.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001
                 pass
