@@ -135,9 +135,8 @@ class NetBed:
         self.dir.mkdir(parents=True)
         self.hosts = net.create_hosts(self.slot, self.spec.num_hosts)
         self.netns_inodes = [net.netns_inode(h.netns) for h in self.hosts]
-        token = self.dir / "auth_token"
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
+        with os.fdopen(os.open(self.dir / "auth_token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
         self._write_state()
         if self.spec.with_ray:
             self._start_ray()
@@ -215,8 +214,8 @@ class NetBed:
                 "--resources", json.dumps({f"host{h.index}": 1}), "--disable-usage-stats"]
         argv += (["--head", "--port", str(self.spec.ray_port), "--include-dashboard=false"] if head
                  else ["--address", self.head_address])
-        log = open(temp / "ray_start.log", "w")  # a file, not a pipe: Ray's daemons inherit it
-        return self.popen_in(h, argv, stdout=log, stderr=subprocess.STDOUT)
+        with open(temp / "ray_start.log", "w") as log:  # a file, not a pipe: Ray's daemons inherit it
+            return self.popen_in(h, argv, stdout=log, stderr=subprocess.STDOUT)
 
     def _start_ray(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s

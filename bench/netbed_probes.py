@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 CHUNK = 64 * 1024
 
@@ -43,12 +44,20 @@ def source(addr: str, port: int, seconds: float) -> None:
     print(json.dumps({"bytes": sent}), flush=True)
 
 
+@dataclass(frozen=True)
+class ConnectResult:
+    ok: bool
+    error: str  # "" when ok
+    seconds: float  # the connect alone (one round trip when ok)
+
+
 def connect(addr: str, port: int, timeout_s: float) -> None:
+    t0, error = time.perf_counter(), ""
     try:
         socket.create_connection((addr, port), timeout=timeout_s).close()
-        print(json.dumps({"ok": True, "error": ""}))
     except OSError as e:
-        print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+        error = f"{type(e).__name__}: {e}"
+    print(json.dumps(asdict(ConnectResult(not error, error, time.perf_counter() - t0))))
 
 
 def measure_tcp_rate(bed, src: int, dst: int, seconds: float = 2.0) -> float:
@@ -66,12 +75,11 @@ def measure_tcp_rate(bed, src: int, dst: int, seconds: float = 2.0) -> float:
     return got["bytes"] / got["seconds"]
 
 
-def can_connect(bed, src: int, dst: int, port: int, timeout_s: float = 1.0) -> tuple[bool, str]:
-    """Whether host `src` opens a TCP connection to host `dst`'s `port` within `timeout_s`."""
+def try_connect(bed, src: int, dst: int, port: int, timeout_s: float = 1.0) -> ConnectResult:
+    """One TCP connect from host `src` to host `dst`'s `port`, given up after `timeout_s`."""
     r = bed.run_in(src, [sys.executable, "-m", "bench.netbed_probes", "connect", bed.hosts[dst].address,
                          str(port), str(timeout_s)], timeout=timeout_s + 30)
-    out = json.loads(r.stdout)
-    return out["ok"], out["error"]
+    return ConnectResult(**json.loads(r.stdout))
 
 
 if __name__ == "__main__":
