@@ -294,6 +294,9 @@ def _down() -> int:
                 num_removed += 1
         finally:
             os.close(fd)
+    for what in net.remove_probes():
+        print(f"removed {what} (a probe whose process is gone)")
+        num_removed += 1
     if not num_removed:
         print("nothing to remove")
     return 0

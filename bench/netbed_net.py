@@ -78,18 +78,44 @@ def sh(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.Comp
 
 
 def unavailable_reason() -> str | None:
-    """Why no bed can be made on this machine (not root, no iproute2, namespaces refused), or None."""
+    """Why no bed can be made on this machine (not root, no iproute2, no namespaces, veth, bridge or
+    tbf), or None. Probes each with a throwaway namespace, bridge and veth named hsbp<pid>*."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth, tc); CI runs as root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` not found: install iproute2"
-    probe = f"hsbedprobe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
-    if r.returncode != 0:
-        return f"cannot create a network namespace: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-    return None
+    ns, br, veth = f"hsbp{os.getpid()}", f"hsbp{os.getpid()}b", f"hsbp{os.getpid()}v"
+    steps = [("create a network namespace", ("ip", "netns", "add", ns)),
+             ("run in a network namespace", ("ip", "netns", "exec", ns, "true")),
+             ("create a bridge", ("ip", "link", "add", br, "type", "bridge")),
+             ("create a veth pair", ("ip", "link", "add", veth, "type", "veth", "peer", "name", "e0", "netns", ns)),
+             ("shape a link with tbf", ("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "1mbit",
+                                        "burst", "16k", "latency", "50ms"))]
+    try:
+        for what, argv in steps:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+            if r.returncode != 0:
+                return f"cannot {what}: {r.stderr.strip()}"
+        return None
+    finally:
+        remove_probes(os.getpid())
+
+
+def remove_probes(pid: int | None = None) -> list[str]:
+    """Delete the probe namespace and links of `pid`, or of every probing process no longer alive."""
+    def stale(name: str) -> bool:
+        digits = re.match(r"hsbp(\d+)", name)
+        return bool(digits) and (int(digits.group(1)) == pid if pid else not Path(f"/proc/{digits.group(1)}").exists())
+
+    removed = []
+    for name in (n for n in netns_names() if stale(n)):
+        sh("ip", "netns", "del", name, check=False)  # its veth end goes with it
+        removed.append(f"netns {name}")
+    for name in (n for n in link_names() if stale(n)):
+        sh("ip", "link", "del", name, check=False)
+        removed.append(f"link {name}")
+    return removed
 
 
 def netns_names() -> list[str]:

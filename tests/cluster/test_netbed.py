@@ -155,6 +155,15 @@ def test_down_kills_the_bed_processes_and_is_idempotent():
         bed.down()
 
 
+def test_remove_probes_deletes_those_of_dead_processes_only():
+    netbed_fixture.require_netbed()
+    dead = "hsbp9999999"  # above any pid_max: no live process owns it
+    netbed_net.sh("ip", "netns", "add", dead)
+    netbed_net.sh("ip", "link", "add", f"{dead}b", "type", "bridge")
+    assert netbed_net.remove_probes() == [f"netns {dead}", f"link {dead}b"]
+    assert not [n for n in netbed_net.netns_names() + netbed_net.link_names() if n.startswith(dead)]
+
+
 @pytest.mark.heavy
 def test_a_crashed_owner_leaves_nothing_after_down():
     """`up` killed with SIGKILL (no teardown runs): its Ray nodes live on in their namespaces until
