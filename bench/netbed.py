@@ -8,18 +8,22 @@
     with NetBed(BedSpec(num_hosts=3)) as bed:          the Python API (tests: tests/cluster/netbed_fixture.py)
         bed.run_in(1, ["python", "-c", "..."])         a command inside host 1's namespace
         bed.slow_link(1, 20_000_000); bed.cut_link(1); bed.restore_link(1)
+        bench.netbed_probes.measure_tcp_rate(bed, 0, 1)  # bytes/s of a TCP stream host 0 -> host 1
 
 Each host's Ray has its own `--temp-dir` (/tmp/hsbed/<slot>/h<i>), `--node-ip-address` (its
 namespace's address), one CPU, a custom resource `host<i>` (for placing work on a host), no
 dashboard. Drivers run *inside* a host's namespace (`run_in`): a Ray driver needs a raylet on its own
 node, and the bridge has no address, so the root namespace cannot reach any host and no host can
-reach anything but the bed's own addresses. Token auth is on, as in deploy/: a fresh token per bed
-in its own file (`RAY_AUTH_TOKEN_PATH`), never ~/.ray, passed to every process of the bed by `env`.
+reach anything but the bed's own addresses. A driver passes `_node_ip_address=` its host's address
+to `ray.init` (without it, a driver on host 1 attached to the head's raylet). Token auth is on, as
+in deploy/: a fresh token per bed in its own file (`RAY_AUTH_TOKEN_PATH`), never ~/.ray, passed to
+every process of the bed by `env`.
 
 Teardown kills exactly the processes inside the bed's namespaces (`ip netns pids`), then deletes
 namespaces, veths, bridge and the bed's directory; it is idempotent. A bed belongs to a slot
 locked (flock) by its owner for its lifetime: a crashed owner's lock is gone, so the next bed on
-that slot, or `down`, removes what it left.
+that slot, or `down`, removes what it left. (`ray stop --force` run anywhere on the machine kills
+Ray processes by name in every namespace, the bed's too: not while a bed is up.)
 """
 
 from __future__ import annotations
@@ -254,7 +258,7 @@ class NetBed:
 
     def _write_state(self) -> None:
         state = {"slot": self.slot, "owner_pid": os.getpid(), "dir": str(self.dir),
-                 "head_address": f"{self.hosts[0].address}:{self.spec.ray_port}",
+                 "head_address": self.head_address,
                  "netns_inodes": self.netns_inodes, "hosts": [asdict(h) for h in self.hosts]}
         state_path(self.slot).write_text(json.dumps(state))
 
