@@ -111,6 +111,10 @@ class ClusterConfig:
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0
     warm_prefixes: int = 8  # hot prefixes copied onto a replica the autoscaler adds
+    # each front door routes on its own copy of the index, kept in step with the cache service's op
+    # log (false: one call to the cache service per batch of decisions)
+    read_replica: bool = True
+    index_shards: int = 1  # cache-service actors splitting the index by replica (> 1 needs read_replica)
     # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
     restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
 
@@ -132,6 +136,11 @@ class ClusterConfig:
             raise ConfigError("cluster.num_frontends must be >= 1")
         if self.distributed_backend not in ("gloo", "nccl"):
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
+        if self.index_shards < 1:
+            raise ConfigError(f"cluster.index_shards must be >= 1, got {self.index_shards}")
+        if self.index_shards > 1 and not self.read_replica:
+            raise ConfigError("cluster.index_shards > 1 routes on the front doors' read replicas: "
+                              "set cluster.read_replica: true")
         if self.max_attempts < 1 or self.max_streams_per_replica < 1:
             raise ConfigError("cluster.max_attempts and cluster.max_streams_per_replica must be >= 1")
         try:

@@ -30,6 +30,7 @@ class MembershipMsg:
     service_name: str
     namespace: str | None
     epoch: str = ""  # the controller's: a restarted controller counts versions from 0 again
+    num_shards: int = 1  # the cache service's shards (shard k: `cache_service.shards.shard_service_name`)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
     ClusterController (named "<cluster>-controller", lifetime detached)
       ReplicaSet      replica actors in placement groups; purge = stop; health checks
-      CacheService    a named actor it starts (the index + routing; front doors call it directly)
+      ServiceShards   the cache service: `cluster.index_shards` named actors it starts, each the
+                      index of its replicas (`control.service_shards`; front doors follow them)
       Transfers       page moves (whichever front door asks: one per pair at a time)
       Warmer          new replicas warmed with every front door's hot prefixes (`control.warmup`)
       count keeper    `ReplicaCountKeeper`: with an autoscaler configured, the `ReplicaAutoscaler`
@@ -21,8 +22,8 @@ Restarts: Ray restarts a dead controller (`CONTROLLER_MAX_RESTARTS`) with the sa
     replicas        found by name and adopted (`ReplicaSet.adopt`): the same actors, none started
                     twice; one that does not answer is stopped, as is a placement group without
                     its replica; then topped up to the floor (num_replicas, or min_replicas)
-    cache service   found by name (`get_if_exists`): its index stays; replicas it still lists but
-                    that are gone are removed from it
+    cache service   every shard found by name (`get_if_exists`): its index stays; replicas it
+                    still lists but that are gone are removed from it
     threads         health checks and the count keeper (autoscaler or restarter) start again
 
 Requests in flight are not the controller's: they stream from the replicas to the front doors and
@@ -44,10 +45,10 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from cache_service.router import RouterConfig
-from cache_service.service import CacheService
 from cluster.config import ClusterConfig
 from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
 from cluster.control.replica_set import ReplicaSet
+from cluster.control.service_shards import ServiceShards
 from cluster.control.transfers import Transfers
 from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
 from cluster.ids import new_controller_epoch, service_name
@@ -88,28 +89,26 @@ class ClusterController:
         self._version = 0
         self._lock = threading.RLock()
         self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
-        service = self._running_service()
-        listed = self._service_replicas(service)
+        self.shards = ServiceShards(self.service_name, self.namespace, config.index_shards)
+        listed = self.shards.known_replicas()
         self.adopted = self.replicas.adopt(listed)
         scaling = config.autoscaler is not None and self.adopted  # restarted: the autoscaler goes on from min
         floor = config.autoscaler.min_replicas if scaling else config.num_replicas
         started = self.replicas.add(max(0, floor - len(self.adopted)))
         first = self.replicas.get(self.replicas.ids[0]).info
-        self.service = service or ray.remote(CacheService).options(
-            name=self.service_name, namespace=self.namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-            max_restarts=-1, max_task_retries=0,
-        ).remote(list(first.groups), first.eagle, first.fingerprint, router.policy, router,
-                 drop_rule=engine_config.drop_rule)
+        self.shards.start(list(first.groups), first.eagle, first.fingerprint, router.policy, router,
+                          drop_rule=engine_config.drop_rule)
+        self.service = self.shards.handles[0]
         gone = set(listed) - set(self.adopted)  # died while no controller watched: out of the index
-        ray.get([self.service.remove_replica.remote(r) for r in gone]
-                + [self.service.add_replica.remote(r) for r in started])
-        self.replicas.attach(started)  # the adopted ones push to the (same, named) service already
+        self.shards.remove(gone, timeout_s=60)
+        self.shards.add(started, timeout_s=60)
+        self.replicas.attach(started, self.shards.name_of)  # the adopted ones push to their shard already
         initial = self.adopted + started
         if self.restarted:
             log.warning("controller restarted: %d replicas adopted, %d started, %d gone", len(self.adopted),
                         len(started), len(gone))
         self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
-        estimate = functools.partial(dry_run_estimate, self.service, first.hash_block_size, first.fingerprint,
+        estimate = functools.partial(dry_run_estimate, self.shards, first.hash_block_size, first.fingerprint,
                                      self.replicas.routable)
         self.hot = HotPrefixBook(config.hot_prefixes)
         self.warmer = Warmer(self.hot, estimate, self.transfers.transfer)
@@ -121,23 +120,6 @@ class ClusterController:
             threading.Thread(target=self._health_loop, name="replica-health", daemon=True).start()
         self.keeper.start()
 
-    def _running_service(self):
-        """The cache service if it runs (this controller was restarted), else None."""
-        try:
-            return ray.get_actor(self.service_name, namespace=self.namespace)
-        except ValueError:
-            return None
-
-    @staticmethod
-    def _service_replicas(service) -> list[str]:
-        """The replicas a running cache service knows (none if it is not running or answering)."""
-        if service is None:
-            return []
-        try:
-            return list(ray.get(service.stats.remote(), timeout=30)["replicas"])
-        except Exception:  # noqa: BLE001 - restarting: it learns the live replicas from their pushes
-            return []
-
     # ---- membership ---------------------------------------------------------------------------
     def ready(self) -> bool:
         return True
@@ -146,7 +128,8 @@ class ClusterController:
         with self._lock:
             entries = tuple(ReplicaEntryMsg(r.replica_id, r.actor, r.info, r.draining)
                             for r in self.replicas.replicas.values())
-            return MembershipMsg(self._version, entries, self.service_name, self.namespace, self.epoch)
+            return MembershipMsg(self._version, entries, self.service_name, self.namespace, self.epoch,
+                                 self.shards.num_shards)
 
     def _changed(self) -> None:
         with self._lock:
@@ -154,7 +137,7 @@ class ClusterController:
 
     def _on_purge(self, replica_id: str, reason: str) -> None:
         try:
-            ray.get(self.service.remove_replica.remote(replica_id), timeout=10)
+            self.shards.remove([replica_id])
         except Exception:  # noqa: BLE001 - the service is down; a restarted one never hears from it
             pass
         self.transfers.forget_replica(replica_id)
@@ -181,7 +164,7 @@ class ClusterController:
         horizon = time.monotonic() - 5.0
         doors = sum(n for t, n in self._frontdoors.values() if t >= horizon)
         try:
-            loads = ray.get(self.service.stats.remote(), timeout=5)["loads"]
+            loads = self.shards.loads()
         except Exception:  # noqa: BLE001 - unknown while the service restarts
             return doors
         return max(doors, sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas))
@@ -204,11 +187,11 @@ class ClusterController:
         """Start, register with the cache service, attach; then front doors see them (version)."""
         ids = self.replicas.add(n)
         try:
-            ray.get([self.service.add_replica.remote(r) for r in ids], timeout=10)
+            self.shards.add(ids)
         except Exception:  # noqa: BLE001 - a restarted service learns them from their pushes
             pass
         try:
-            ray.get([self.replicas.get(r).actor.attach_service.remote(self.service_name, self.namespace)
+            ray.get([self.replicas.get(r).actor.attach_service.remote(self.shards.name_of(r), self.namespace)
                      for r in ids])
         except Exception as exc:
             for r in ids:  # died while starting: never left in the membership
@@ -228,7 +211,7 @@ class ClusterController:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                loads = ray.get(self.service.stats.remote(), timeout=5)["loads"]
+                loads = self.shards.loads()
                 if loads.get(replica_id, {}).get("requests", 0) == 0:
                     break
             except Exception:  # noqa: BLE001
@@ -273,10 +256,11 @@ class ClusterController:
         self._stop.set()
         self.keeper.stop()
         self.replicas.shutdown()
-        try:
-            ray.kill(self.service, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        for shard in self.shards.handles:
+            try:
+                ray.kill(shard, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 class AutoscalerProxy:

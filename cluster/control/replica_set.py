@@ -142,11 +142,12 @@ class ReplicaSet:
             out.append(node)
         return out
 
-    def attach(self, replica_ids: list[str]) -> None:
-        """Point these replicas' event publishers at the cache service (after it exists)."""
+    def attach(self, replica_ids: list[str], service_of) -> None:
+        """Point these replicas' event publishers at the cache service (after it exists):
+        `service_of(replica_id)`, the name of the shard holding it."""
         with self._lock:
-            actors = [self.replicas[r].actor for r in replica_ids]
-        ray.get([a.attach_service.remote(self.service_name, self.namespace) for a in actors])
+            actors = {r: self.replicas[r].actor for r in replica_ids}
+        ray.get([a.attach_service.remote(service_of(r), self.namespace) for r, a in actors.items()])
 
     # ---- a restarted controller -----------------------------------------------------------------
     def adopt(self, known_ids: Iterable[str] = (), timeout_s: float = ADOPT_TIMEOUT_S) -> list[str]:

@@ -26,8 +26,10 @@ class CacheServiceActor(CacheService):
         return self.log.since(cursor, wait_s)
 
 
-def start_cache_service(name: str, namespace: str | None, *args, **kwargs):
-    """The named, restartable service actor (`CacheService(*args, **kwargs)`)."""
+def start_cache_service(name: str, namespace: str | None, *args, detached: bool = False, **kwargs):
+    """The named, restartable service actor (`CacheService(*args, **kwargs)`); `detached`: it
+    outlives its creator (the controller's: a restarted controller finds it by name)."""
+    extra = {"lifetime": "detached", "get_if_exists": True} if detached else {}
     return ray.remote(concurrency_groups={FOLLOW_GROUP: MAX_FOLLOWERS})(CacheServiceActor).options(
-        name=name, namespace=namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
+        name=name, namespace=namespace, num_cpus=0, max_restarts=-1, max_task_retries=0, **extra,
     ).remote(*args, **kwargs)

@@ -12,8 +12,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-import ray
-
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.messages import RouteDecision, RouteRequestMsg
 from cache_service.transfer_plan import better_holder
@@ -68,14 +66,15 @@ class Warmer:
         return done
 
 
-def dry_run_estimate(service, hash_block_size: int, fingerprint: str, routable: Callable[[], list[str]],
+def dry_run_estimate(shards, hash_block_size: int, fingerprint: str, routable: Callable[[], list[str]],
                      prompt: list[int], salt: str | None) -> RouteDecision | None:
-    """The cache service's estimates for `prompt` (no load booked); None when the service is down,
-    knows no replica, or chose one that is not routable (draining, gone)."""
+    """The cache service's estimates for `prompt` (no load booked; `shards`: a
+    `service_shards.ServiceShards`); None when the service is down, knows no replica, or chose one
+    that is not routable (draining, gone)."""
     hashes = tuple(RequestBlockHashes(hash_block_size, prompt, model_fingerprint=fingerprint, cache_salt=salt).hashes)
     msg = RouteRequestMsg(hashes, len(prompt), salt, 0, None, (), True)
     try:
-        decision = ray.get(service.route_many.remote([msg]), timeout=ROUTE_TIMEOUT_S)[0]
+        decision = shards.estimate(msg, ROUTE_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - dead or restarting: nothing to warm from now
         return None
     if decision is None or decision.replica_id not in routable():

@@ -5,8 +5,9 @@ per concept:
     controller      (control/controller.py, a detached named actor: found, or started by the first
                     front door) replica lifecycle, health, autoscaling, warm-up, transfers
     MembershipView  (membership.py)      the replicas' handles, refreshed from the controller
-    RoutingClient   (routing_client.py)  one cache-service call per decision (batched under load);
-                                         load-only routing while the service is down
+    RoutingClient   (routing_client.py)  decides on this front door's read replica of the index
+                                         (or one cache-service call per batch); by load while the
+                                         service is down
     request_streams (request_streams.py) serving one request: retries, outputs, no token twice
     HotPrefixes     (hot_prefixes.py)    the prompts served, handed to the controller for warming
     ClusterStatus   (status.py)          the controller's, the service's and this door's counts
@@ -102,9 +103,11 @@ class ClusterBackend:
         self.service_name = self.replicas.service_name
         self.service = ray.get_actor(self.service_name, namespace=self.namespace)
         self.status = ClusterStatus(self.controller, self.service)
-        self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint)
-        self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.frontdoor_id = new_frontdoor_id()
+        self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint,
+                                     read_replica=self.config.read_replica, client_id=self.frontdoor_id,
+                                     num_shards=self.replicas.num_shards)
+        self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
                            if self.config.autoscaler is not None else None)
         self._stop = threading.Event()
@@ -294,12 +297,15 @@ class ClusterBackend:
     def index_problems(self) -> list[str]:
         """Where the cache service's index differs from the live replicas' caches (empty: consistent);
         see `cluster.frontdoor.index_check`."""
-        return index_problems(self.replicas, self.service)
+        shards = [self.routing.shard(k) for k in range(self.routing.num_shards)]
+        mirrors = self.routing.mirror.shards if self.routing.mirror is not None else None
+        return index_problems(self.replicas, shards, mirrors)
 
     def shutdown(self, stop_cluster: bool | None = None) -> None:
         """Stop this front door (its requests are aborted); with `stop_cluster` (default: if this
         front door started the cluster) also the controller, the replicas and the cache service."""
         self._stop.set()
+        self.routing.close()
         for job in list(self._jobs.values()):
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)

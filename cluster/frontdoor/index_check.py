@@ -13,8 +13,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 TIMEOUT_S = 10.0
 
 
-def index_problems(replicas, service) -> list[str]:
-    """`replicas`: a membership view (`get`, `ids`); `service`: the cache-service actor handle."""
+def index_problems(replicas, services, mirrors=None) -> list[str]:
+    """`replicas`: a membership view (`get`, `ids`); `services`: the cache-service actor handle, or
+    every shard's; `mirrors`: the front door's read replicas of them (each must have followed its
+    shard's log up to where it stood when its stats were taken)."""
+    services = list(services) if isinstance(services, (list, tuple)) else [services]
     problems = []
     reps = {r: replicas.get(r) for r in replicas.ids}
     refs = {r: rep.actor.cache_summary.remote() for r, rep in reps.items() if rep is not None}
@@ -25,9 +28,16 @@ def index_problems(replicas, service) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - dead, unhealthy, or slow: not consistent
             problems.append(f"{rid}: unreachable ({type(exc).__name__})")
     try:
-        stats = ray.get(service.stats.remote(), timeout=TIMEOUT_S)["replicas"]
+        every = ray.get([s.stats.remote() for s in services], timeout=TIMEOUT_S)
     except (RayActorError, GetTimeoutError):
         return problems + ["cache service unreachable"]
+    stats = {r: v for shard in every for r, v in shard["replicas"].items()}
+    for k, (mirror, shard) in enumerate(zip(mirrors or (), every)):
+        if mirror.epoch != shard["epoch"]:
+            problems.append(f"the front door's read replica of shard {k} is not ready")
+        elif mirror.cursor < shard["log_end_seq"]:
+            problems.append(f"the front door's read replica of shard {k} is behind "
+                            f"(op {mirror.cursor} of {shard['log_end_seq']})")
     problems += [f"{r}: indexed but not a live replica" for r in stats if r not in reps]
     for rid, (entries, next_seq) in taken.items():
         s = stats.get(rid)

@@ -36,6 +36,7 @@ class MembershipView:
         self.epoch: str | None = None
         self.replicas: dict[str, MemberReplica] = {}
         self.service_name = ""
+        self.num_shards = 1
         self.namespace = None
         self._lock = threading.RLock()
         self.refresh()
@@ -53,6 +54,7 @@ class MembershipView:
                              for e in msg.replicas}
             self.version, self.epoch = msg.version, msg.epoch
             self.service_name, self.namespace = msg.service_name, msg.namespace
+            self.num_shards = msg.num_shards
             return True
 
     def drop(self, replica_id: str) -> None:

@@ -6,6 +6,7 @@ instance's snapshot replaces it."""
 import time
 
 import pytest
+import ray
 
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.messages import BlockRecord, EventBatchMsg, LoadReportMsg, RecordKind, RouteRequestMsg
@@ -130,3 +131,31 @@ def test_a_sharded_index_is_routed_over_every_shards_read_replica(ray_session):
     client.close()
     for s in shards:
         ray.kill(s, no_restart=True)
+
+
+def test_a_cluster_with_a_sharded_index_routes_warm_hits_on_the_front_doors_copy(ray_session, tiny_dir):
+    """`cluster.index_shards: 2` end to end: each replica pushes to its own shard, the front door
+    decides on its copies of both (no route call to a service), a resend is routed to the holder
+    and hits there, byte-exact, and the copies converge with the replicas' caches."""
+    from cluster.config import ClusterConfig
+    from cluster.frontdoor.backend import ClusterBackend
+    from tests.conftest import make_prompt
+    from workers.engine.config import EngineConfig
+    from workers.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
+    backend = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=2, index_shards=2))
+    try:
+        assert backend.routing.num_shards == 2
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        prompt = make_prompt(600, 3)
+        cold, holder = backend.generate(prompt, params)
+        _wait(lambda: not backend.index_problems(), timeout_s=60, what="the copies to converge")
+        warm, again = backend.generate(prompt, params)
+        assert again == holder and warm.num_cached_tokens == 576 and warm.token_ids == cold.token_ids
+        assert warm.num_computed_prompt_tokens == 600 - 576
+        assert backend.routing.counters["decided_here"] >= 1 and backend.routing.batcher.num_calls == 0
+        shards = [ray.get(backend.routing.shard(k).stats.remote())["replicas"].keys() for k in range(2)]
+        assert sorted(r for s in shards for r in s) == sorted(backend.replica_ids)  # each on one shard only
+    finally:
+        backend.shutdown()
