@@ -337,12 +337,25 @@ def resync_through_ray(config: PlaneConfig, docs, prompts, kill_midway: bool, nu
             target, _ = client.route(msg, {"sim-0": 0})
             decided += target == "sim-0"
         out["decisions_while_down"] = decided
-        out["recovered_resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)  # the replica retries
+        deadline = time.monotonic() + 60
+        while True:  # the replica retries until the restarted service answers
+            try:
+                out["recovered_resync_s"] = round(ray.get(host.resync_one.remote("sim-0")), 2)
+                break
+            except Exception:  # noqa: BLE001 - still restarting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         stats = ray.get(service.stats.remote())
         out["entries_after"] = stats["replicas"]["sim-0"]["entries"]
         out["stale_after"] = stats["replicas"]["sim-0"]["stale"]
         out["recovery_s"] = round(time.perf_counter() - t_kill, 2)
         out["router_counters"] = client.counters
+        copy = client.mirror.shards[shard_of("sim-0", num_shards)]
+        deadline = time.monotonic() + 30  # the front door's copy follows the restarted instance
+        while copy.epoch != stats["epoch"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["read_replica_follows_restarted"] = copy.epoch == stats["epoch"]
         client.close()
         return out
     finally:
