@@ -17,7 +17,11 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The multi-host test bed (bench/netbed.py) needs iproute2 (ip, tc) and root: installed here when
+# missing and possible; otherwise its tests skip and say why.
 test: $(STAMP) lint
+	@command -v ip >/dev/null && command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } || echo "iproute2 missing: the multi-host bed tests skip"
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
