@@ -7,11 +7,16 @@ herd onto one replica, so every decision adds its cost to the chosen replica's `
 a report saying the replica has accepted k more requests retires the k oldest pending entries
 (their work is now in the reported queue). Entries older than `pending_ttl_s` are dropped so a
 request that never arrived (its front door died) does not count forever.
+
+`by_load()` keeps every replica in order of load (a sorted list updated on each change, O(log R)
+to find, a C memmove to move), so a decision finds the least loaded replica without looking at
+all of them. The cache service `ensure`s an entry (load 0) for every replica it indexes.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +37,29 @@ class LoadBook:
         self.clock = clock
         self._loads: dict[str, _Load] = {}
         self.current: dict[str, int] = {}  # replica -> queued tokens (report + pending), kept up to date
+        self._order: list[tuple[int, str]] = []  # (current, replica), ascending
         self._next_expiry = 0.0
+
+    def _set(self, replica_id: str, tokens: int) -> None:
+        old = self.current.get(replica_id)
+        if old == tokens:
+            return
+        if old is not None:
+            del self._order[bisect_left(self._order, (old, replica_id))]
+        insort(self._order, (tokens, replica_id))
+        self.current[replica_id] = tokens
+
+    def ensure(self, replica_id: str) -> None:
+        """An entry for `replica_id` (load 0 until it reports)."""
+        if replica_id not in self.current:
+            self._loads.setdefault(replica_id, _Load())
+            self._set(replica_id, 0)
+
+    def by_load(self) -> list[tuple[int, str]]:
+        """(queued tokens, replica) of every replica with an entry, least loaded first (after
+        `view()`'s expiry; the list itself: do not change it)."""
+        self.view()
+        return self._order
 
     def report(self, replica_id: str, report: LoadReportMsg) -> None:
         load = self._loads.setdefault(replica_id, _Load())
@@ -40,14 +67,14 @@ class LoadBook:
         for _ in range(min(arrived, len(load.pending))):
             load.pending_tokens -= load.pending.popleft()[1]
         load.report = report
-        self.current[replica_id] = report.num_queued_tokens + load.pending_tokens
+        self._set(replica_id, report.num_queued_tokens + load.pending_tokens)
 
     def add_pending(self, replica_id: str, tokens: int, at: float | None = None) -> None:
         """`at`: when it was booked (default now; a snapshot's entries keep their age)."""
         load = self._loads.setdefault(replica_id, _Load())
         load.pending.append((self.clock() if at is None else at, tokens))
         load.pending_tokens += tokens
-        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+        self._set(replica_id, load.report.num_queued_tokens + load.pending_tokens)
 
     def view(self) -> dict[str, int]:
         """`current`, after dropping expired pending entries (checked at most every 0.1 s)."""
@@ -65,7 +92,7 @@ class LoadBook:
         horizon = self.clock() - self.pending_ttl_s
         while load.pending and load.pending[0][0] < horizon:
             load.pending_tokens -= load.pending.popleft()[1]
-        self.current[replica_id] = load.report.num_queued_tokens + load.pending_tokens
+        self._set(replica_id, load.report.num_queued_tokens + load.pending_tokens)
         return self.current[replica_id]
 
     def num_requests(self, replica_id: str) -> int:
@@ -74,7 +101,9 @@ class LoadBook:
 
     def forget(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
-        self.current.pop(replica_id, None)
+        old = self.current.pop(replica_id, None)
+        if old is not None:
+            del self._order[bisect_left(self._order, (old, replica_id))]
 
     def snapshot(self) -> dict[str, dict]:
         return {r: {"queued_tokens": self.queued_tokens(r), "requests": self.num_requests(r),

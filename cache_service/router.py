@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -127,9 +127,12 @@ class Router:
         return ReplicaHits(hits, attention, True)
 
     def decide(self, scored: ReplicaHits, num_prompt_tokens: int, load: Mapping[str, int],
-               candidates: Collection[str], forced: str | None = None) -> RouteDecision:
+               candidates: Collection[str], forced: str | None = None,
+               by_load: Iterable[tuple[int, str]] | None = None) -> RouteDecision:
         """The decision given every candidate's hits (the gather half: `scored` may merge the
-        `hits` of several indexes over disjoint replicas)."""
+        `hits` of several indexes over disjoint replicas). `by_load`: (load, replica) in
+        ascending order, every candidate among them (others are skipped): the least loaded
+        replicas are then found without looking at every candidate."""
         if not candidates:
             raise NoReplicaError("no routable replica")
         policy = self.policy.value
@@ -148,9 +151,12 @@ class Router:
                 best_key, best = key, [r]
             elif key == best_key:
                 best.append(r)
-        rest = candidates - special if special else candidates
-        least = min((load.get(r, 0) for r in rest), default=None)
-        idle = [r for r in rest if load.get(r, 0) == least] if least is not None else []
+        if by_load is not None:
+            least, idle = _least_loaded(by_load, special, candidates)
+        else:
+            rest = candidates - special if special else candidates
+            least = min((load.get(r, 0) for r in rest), default=None)
+            idle = [r for r in rest if load.get(r, 0) == least] if least is not None else []
         if idle:
             key = (self._cost(num_prompt_tokens, 0, least), 0, least)
             if best_key is None or key < best_key:
@@ -200,3 +206,15 @@ class Router:
         if dst not in {e.replica_id for e in estimates}:
             estimates = (*estimates, ReplicaEstimate(dst, 0, self._cost(num_prompt_tokens, 0, load.get(dst, 0))))
         return RouteDecision(dst, decision.policy, holder.hit_tokens, estimates, plan)
+
+
+def _least_loaded(by_load: Iterable[tuple[int, str]], special, candidates) -> tuple[int | None, list[str]]:
+    """The least load among candidates not in `special`, and every such candidate carrying it."""
+    least, idle = None, []
+    for q, r in by_load:
+        if least is not None and q != least:
+            break
+        if r not in special and r in candidates:
+            least = q
+            idle.append(r)
+    return least, idle

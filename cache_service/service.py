@@ -74,6 +74,7 @@ class CacheService:
         """A new replica (empty cache, events from seq 0)."""
         self._purged.discard(replica_id)
         self.index.add_replica(replica_id)
+        self.loads.ensure(replica_id)
         self._record(ReplicaMembershipOp(replica_id, True))
 
     def remove_replica(self, replica_id: str) -> int:
@@ -104,6 +105,7 @@ class CacheService:
         self._record(chunk)
         if chunk.first:
             self.index.begin_resync(rid, chunk.resync_id)
+            self.loads.ensure(rid)
         ok = self.index.resync_chunk(rid, chunk.resync_id, chunk.group_id, chunk.keys)
         if ok and chunk.last:
             ok = self.index.end_resync(rid, chunk.resync_id, chunk.next_seq)
@@ -114,6 +116,7 @@ class CacheService:
         """A whole snapshot in one call (tests, small caches)."""
         self._purged.discard(replica_id)
         self.index.resync(replica_id, contents, next_seq)
+        self.loads.ensure(replica_id)
         self._record(WholeResyncOp(replica_id, tuple(tuple(keys) for keys in contents), next_seq))
 
     # ---- routing (front doors) ------------------------------------------------------------

@@ -13,6 +13,7 @@ the one-shard case. `tests/cache_service/test_index_shards.py`: N shards decide 
 
 from __future__ import annotations
 
+import heapq
 import zlib
 
 from cache_service.messages import RouteDecision, RoutedLoadOp, RouteRequestMsg
@@ -55,9 +56,11 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
             vouched |= part.any_vouched
         scored = ReplicaHits(hits, attention, vouched)
     loads = first.loads.view()
+    by_load = first.loads.by_load()
     if len(shards) > 1:
         loads = {r: q for s in shards for r, q in s.loads.view().items()}
-    decision = router.decide(scored, n, loads, candidates, msg.forced_replica)
+        by_load = heapq.merge(*(s.loads.by_load() for s in shards))
+    decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load)
     if not msg.dry_run:
         owner = shards[shard_of(decision.replica_id, len(shards))]
         owner.book(RoutedLoadOp(decision.replica_id, n - decision.expected_hit_tokens + msg.num_output_tokens,

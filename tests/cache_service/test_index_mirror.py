@@ -64,6 +64,9 @@ class Stream:
             self.seq[rid] = reply.next_seq if reply.accepted else first + len(records)
         elif roll < 0.75:
             rid = rng.choice(live)
+            if rng.random() < 0.1:  # a replica this service never heard of (it was restarted) resyncs
+                rid = f"r{self.next_id}"
+                self.next_id += 1
             resync = f"rs{rng.randrange(10**6)}"
             groups = list(range(len(self.layout.groups)))
             for i, g in enumerate(groups):
@@ -71,7 +74,8 @@ class Stream:
                 svc.resync_chunk(ResyncChunkMsg(rid, resync, g, keys, self.seq.get(rid, 0), i == 0,
                                                 i == len(groups) - 1 and rng.random() < 0.9))
         elif roll < 0.8:
-            rid = rng.choice(live)
+            rid = rng.choice(live) if rng.random() < 0.9 else f"r{self.next_id}"  # or one never heard of
+            self.next_id += rid == f"r{self.next_id}"
             svc.resync(rid, [rng.sample(self.keys, rng.randint(0, 20)) for _ in self.layout.groups],
                        self.seq.get(rid, 0))
         else:
@@ -96,6 +100,7 @@ def same_state(mirror: IndexMirror, service: CacheService) -> None:
     assert {r: (s.bit, s.stale, s.next_seq, s.resync_id, s.num_entries) for r, s in m.index.replicas.items()} == \
         {r: (s.bit, s.stale, s.next_seq, s.resync_id, s.num_entries) for r, s in service.index.replicas.items()}
     assert m._purged == service._purged
+    assert service.index.replicas.keys() <= service.loads.current.keys()  # every indexed replica has a load
     assert {r: load.report for r, load in m.loads._loads.items()} == \
         {r: load.report for r, load in service.loads._loads.items()}
 

@@ -169,15 +169,15 @@ def test_routing_books_the_work_it_sends_unless_dry_run():
     msg = RouteRequestMsg(keys, 97, num_output_tokens=5, forced_replica="r0")
     dry = service.route(RouteRequestMsg(keys, 97, num_output_tokens=5, forced_replica="r0", dry_run=True))
     assert dry.replica_id == "r0" and dry.expected_hit_tokens == 64
-    assert service.loads.view() == {"r0": 0}  # its report (with the batch), nothing booked
+    assert service.loads.view() == {"r0": 0, "r1": 0}  # r0's report (with the batch), r1 known; nothing booked
     decision = service.route(msg)
     assert decision.expected_hit_tokens == 64
-    assert service.loads.view() == {"r0": 97 - 64 + 5}
+    assert service.loads.view() == {"r0": 97 - 64 + 5, "r1": 0}
     assert service.counters["decisions"] == 2 and service.counters["load_only"] == 0
     forced = service.route(RouteRequestMsg(keys, 97, forced_replica="r1", dry_run=True))
     assert (forced.replica_id, forced.expected_hit_tokens) == ("r1", 0)
     busy = service.route(RouteRequestMsg(keys, 97, exclude=("r1",)))  # r0 alone, still the choice
-    assert busy.replica_id == "r0" and service.loads.view() == {"r0": 38 + 33}
+    assert busy.replica_id == "r0" and service.loads.view() == {"r0": 38 + 33, "r1": 0}
     # r0 now carries 71 queued tokens: its hit costs 97 - 64 + 71 = 104, more than the idle r1's 97
     assert service.route(RouteRequestMsg(keys, 97, dry_run=True)).replica_id == "r1"
     other = service.route(RouteRequestMsg(keys, 97, exclude=("r0",)))
