@@ -113,10 +113,11 @@ class Router:
         return self.decide(self.hits(hashes, num_prompt_tokens, candidates), num_prompt_tokens, load, candidates,
                            forced)
 
-    def hits(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, candidates: Collection[str]) -> ReplicaHits:
+    def hits(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+             candidates: Collection[str] | None) -> ReplicaHits:
         """Each candidate's hit on this router's index (the scatter half of a sharded route: a
-        replica's hit depends on its own entries only)."""
-        everyone = self.index.mask_of(candidates)
+        replica's hit depends on its own entries only); None: every indexed replica."""
+        everyone = self.index.routable_mask() if candidates is None else self.index.mask_of(candidates)
         if not everyone:
             return ReplicaHits({}, {}, False)
         scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, everyone)

@@ -44,7 +44,7 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     if router.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
         scored = ReplicaHits({}, {}, False)
     elif len(shards) == 1:
-        scored = router.hits(msg.block_hashes, n, candidates)
+        scored = router.hits(msg.block_hashes, n, None if candidates is known[0] else candidates)
     else:
         hits: dict[str, int] = {}
         attention: dict[str, int] = {}
