@@ -210,9 +210,10 @@ def _median_run(runs: list[dict], rate_key: str) -> dict:
             "runs": runs}
 
 
-def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts, num_shards: int = 1) -> dict:
-    """Both ways (read replica, service) on one simulated cluster, `repeats` times each, churn on;
-    with `num_shards` > 1 the index is sharded and only the read replica way runs."""
+def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts, num_shards: int = 1,
+                measure: tuple[str, ...] = ("read_replica", "service")) -> dict:
+    """The ways in `measure` (read replica, service) on one simulated cluster, `repeats` times
+    each, churn on; with `num_shards` > 1 the index is sharded and only the read replica runs."""
     import ray
 
     from cache_service.index_mirror import ShardedMirror
@@ -234,7 +235,7 @@ def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts, num_shard
                 raise RuntimeError("the front door's read replica did not catch up within 60 s")
             time.sleep(0.05)
         ways = {"read_replica": _decide_here(mirror)}
-        if num_shards == 1:
+        if num_shards == 1 and "service" in measure:
             ways["service"] = _decide(batcher)
         for decide in ways.values():
             asyncio.run(_route_all(decide, prompts[:200], config.concurrency))  # warm-up
@@ -263,6 +264,28 @@ def through_ray(config: PlaneConfig, num_replicas: int, docs, prompts, num_shard
             ray.kill(h)
         for s in shards:
             ray.kill(s)
+
+
+def growth_equal_hits(config: PlaneConfig, lo: int, hi: int) -> dict:
+    """Per-decision cost growth from `lo` to `hi` replicas at the same hit structure: the documents
+    grow with the replicas (`num_prefixes` * R / lo), so a prompt has as many holders and as long a
+    hit at both sizes. With a fixed document set, a prompt at 256 replicas has 28x the holders and
+    5x the hit of one at 8, and a decision's work follows its hit (the walk of the matched chain),
+    not the replica count. Read replica through Ray (closed loop) and in process."""
+    from cache_service.simulate import make_tokens
+
+    out: dict = {}
+    for r in (lo, hi):
+        scaled = PlaneConfig(**{**asdict(config), "num_prefixes": config.num_prefixes * r // lo, "repeats": 1})
+        rng = random.Random(config.seed)
+        docs_tokens = [make_tokens(scaled.prompt_len, config.seed * 100_003 + d, 128_000)
+                       for d in range(scaled.num_prefixes)]
+        docs = document_hashes(scaled.num_prefixes, scaled.prompt_len, config.seed)
+        prompts = _prompts(scaled, docs_tokens, rng)
+        out[r] = {"in_process": in_process(scaled, r, docs, prompts)["decisions_per_s"],
+                  "read_replica": through_ray(scaled, r, docs, prompts, measure=("read_replica",))
+                  ["read_replica"]["decisions_per_s"], "num_prefixes": scaled.num_prefixes}
+    return out | {"growth": {k: round(out[lo][k] / out[hi][k], 2) for k in ("in_process", "read_replica")}}
 
 
 # ---- memory and resync ---------------------------------------------------------------------------------
@@ -388,6 +411,7 @@ def run_all(config: PlaneConfig, tiny: bool, model_dir: str) -> dict:
                        ("service", lambda v: v["ray"]["service"])):
         a, b = pick(report["routing"][lo]), pick(report["routing"][hi])
         report.setdefault("growth", {})[kind] = round(a["decisions_per_s"] / b["decisions_per_s"], 2)
+    report["growth_equal_hits"] = growth_equal_hits(config, lo, hi)
     report["index_memory"] = index_memory(config.resync_entries)
     report["resync_1m"] = {"in_process_s": round(resync_in_process(config.resync_entries), 2),
                            **resync_through_ray(config, docs, prompts, kill_midway=False)}
@@ -419,6 +443,9 @@ def format_table(report: dict) -> str:
         rows.append(f"{r:>5}  {'in process':<13}{b['decisions_per_s']:>10.0f}{'':>18}{b['p99_ms']:>8.2f}"
                     "  (closed loop p99)")
     rows.append(f"cost growth (R min -> max): {report['growth']}")
+    eq = report["growth_equal_hits"]
+    rows.append(f"cost growth at equal hits (documents x R): {eq['growth']} "
+                f"({', '.join(f'R={r}: {v}' for r, v in eq.items() if r != 'growth')})")
     rows.append(f"index memory: {report['index_memory']}")
     rows.append(f"resync of 1M entries: {report['resync_1m']}")
     rows.append(f"service killed during a 1M-entry resync: {report['kill_during_resync']}")
