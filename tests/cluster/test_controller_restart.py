@@ -99,6 +99,7 @@ def test_a_restarted_controller_adopts_its_replicas_loses_no_request_and_resumes
             cold = list(pool.map(lambda p: backend.generate(p, PARAMS, cache_salt="cold")[0].token_ids, prompts))
         before, live_before = _actor_ids(backend), _live(ray)
         assert len(before) == 2 and len(live_before["replica_actors"]) == 2 and len(live_before["groups"]) == 2
+        assert len(live_before["service"]) == 1
         epoch = ray.get(backend.controller.stats.remote())["epoch"]
 
         # greedy traffic; the controller killed while it streams; more requests while it is down
