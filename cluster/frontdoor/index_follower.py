@@ -49,6 +49,10 @@ class IndexFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if not ray.is_initialized():  # shut down under us: never start Ray again from here
+                self.mirror.invalidate()
+                self._stop.wait(self.retry_s)
+                continue
             try:
                 self._follow_once()
             except Exception as exc:  # noqa: BLE001 - dead, restarting, slow: start over from a snapshot
