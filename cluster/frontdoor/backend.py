@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.router import RouterConfig
 from cache_service.transfer_plan import plan_transfer
@@ -85,9 +86,14 @@ class ClusterBackend:
             self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
             self.owns_cluster = False
         except ValueError:
+            # on this front door's node: Ray puts an actor needing no resources on a random node under
+            # any strategy but a hard affinity (off the head in 2 of 3 bed runs without, or with a soft
+            # one); a restart needs that node, which the driver that started the cluster runs on
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.controller = ray.remote(ClusterController).options(
                 name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
                 max_concurrency=64, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=0, get_if_exists=True,
+                scheduling_strategy=here,
             ).remote(self.name, model_dir, engine_config, self.config, self.router, replica_cls)
             self.owns_cluster = True
         wait_until_ready(self.controller)
