@@ -10,6 +10,7 @@ concurrency group of its own for read replicas following its op log.
 from __future__ import annotations
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.messages import IndexOpsMsg
 from cache_service.service import CacheService
@@ -27,9 +28,13 @@ class CacheServiceActor(CacheService):
 
 
 def start_cache_service(name: str, namespace: str | None, *args, detached: bool = False, **kwargs):
-    """The named, restartable service actor (`CacheService(*args, **kwargs)`); `detached`: it
-    outlives its creator (the controller's: a restarted controller finds it by name)."""
+    """The named, restartable service actor (`CacheService(*args, **kwargs)`) on the caller's node;
+    `detached`: it outlives its creator (the controller's: a restarted controller finds it by name)."""
     extra = {"lifetime": "detached", "get_if_exists": True} if detached else {}
+    # on the creator's node (the controller's, the head's): Ray puts an actor needing no resources on
+    # a random node otherwise, and ignores a soft affinity for it (seen on the multi-host bed)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(concurrency_groups={FOLLOW_GROUP: MAX_FOLLOWERS})(CacheServiceActor).options(
-        name=name, namespace=namespace, num_cpus=0, max_restarts=-1, max_task_retries=0, **extra,
+        name=name, namespace=namespace, num_cpus=0, max_restarts=-1, max_task_retries=0,
+        scheduling_strategy=here, **extra,
     ).remote(*args, **kwargs)

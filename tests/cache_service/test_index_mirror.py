@@ -201,3 +201,53 @@ def test_the_log_drops_its_oldest_ops_beyond_its_bounds_and_says_a_follower_is_b
     for _ in range(10_000):  # the list's dropped head is compacted away
         log.append(ReplicaMembershipOp("r", True))
     assert len(log._ops) <= 2 * 4096 + 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_log_against_a_plain_list_of_every_op(seed):
+    """The bounded log holds exactly the newest ops a plain list would, within both budgets, and
+    answers any cursor: the ops from there (at most about `max_keys` keys' worth, at least one),
+    or `behind` with its own epoch."""
+    rng = random.Random(seed)
+    log = IndexLog("epoch-x", max_ops=rng.randint(3, 40), max_keys=rng.randint(20, 200))
+    every: list = []
+    for step in range(5000 if seed == 0 else 600):
+        n = rng.choice([0, 1, 1, 2, 5, 30])
+        op = (ResyncChunkMsg("r", "x", 0, tuple(bytes([i % 256]) for i in range(n)), step) if rng.random() < 0.7
+              else ReplicaMembershipOp(f"r{step}", True))
+        log.append(op)
+        every.append(op)
+        assert log.end_seq == len(every)
+        held = every[log.first_seq:]
+        weights = [len(o.keys) if isinstance(o, ResyncChunkMsg) else 1 for o in held]
+        assert len(held) <= log.max_ops or len(held) == 1
+        assert sum(weights) <= log.max_keys or len(held) == 1
+        if log.first_seq > 0:  # the oldest op went only because a budget needed it to
+            dropped = every[log.first_seq - 1]
+            w = len(dropped.keys) if isinstance(dropped, ResyncChunkMsg) else 1
+            assert len(held) + 1 > log.max_ops or sum(weights) + w > log.max_keys
+        cursor = rng.randint(max(0, log.first_seq - 3), log.end_seq + 2)
+        budget = rng.randint(1, 60)
+        msg = log.since(cursor, max_keys=budget)
+        assert msg.epoch == "epoch-x" and msg.first_seq == cursor
+        if cursor < log.first_seq or cursor > log.end_seq:
+            assert msg.behind and msg.ops == ()
+            continue
+        assert not msg.behind and list(msg.ops) == every[cursor: cursor + len(msg.ops)]
+        got = [len(o.keys) if isinstance(o, ResyncChunkMsg) else 1 for o in msg.ops]
+        if cursor < log.end_seq:
+            assert msg.ops and (cursor + len(msg.ops) == log.end_seq or sum(got) >= budget)
+            assert sum(got[:-1]) < budget  # it stops at the first op that reaches the budget
+        else:
+            assert msg.ops == ()
+
+
+@pytest.mark.timeout(10)
+def test_a_follower_waits_for_the_next_op_only_at_the_end_of_the_log():
+    import threading
+
+    log = IndexLog("e")
+    log.append(ReplicaMembershipOp("a", True))
+    assert len(log.since(0, wait_s=30).ops) == 1  # ops are there: no wait (a 30-s wait would time the test out)
+    threading.Timer(0.05, log.append, args=(ReplicaMembershipOp("b", True),)).start()
+    assert [op.replica_id for op in log.since(1, wait_s=30).ops] == ["b"]  # woken by the append
