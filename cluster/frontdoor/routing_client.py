@@ -146,6 +146,18 @@ class RoutingClient:
         least = min(candidates.values())
         return self._rng.choice(sorted(r for r, n in candidates.items() if n == least)), None
 
+    def _send_booked(self) -> None:
+        """The load just booked on the copy, to its shard now (one call, no reply awaited): it must
+        reach the service before the replica's report of the request does, or that report cannot
+        retire it and it counts until it expires (the autoscaler would see phantom requests)."""
+        for k, mirror in enumerate(self.mirror.shards):
+            booked = mirror.take_booked()
+            if booked:
+                try:
+                    self.shard(k).note_routed.remote(booked)
+                except Exception:  # noqa: BLE001 - the service is down: a restarted one has no loads to fix
+                    self._forget(k)
+
     def _decide(self, request: RouteRequestMsg) -> RouteDecision | None:
         """The service's decision (here on the read replica when it is ready); None: no replica
         known, or the service is unreachable."""
@@ -153,6 +165,7 @@ class RoutingClient:
             try:
                 decision = self.mirror.route(request)
                 self.counters["decided_here"] += 1
+                self._send_booked()
                 return decision
             except NoReplicaError:
                 if self.mirror.ready:
