@@ -6,7 +6,7 @@ while a front door routes prompts (asyncio, `concurrency` decisions in flight, e
 prompt), two ways:
     read replica   the default: the front door's copy of the index, kept in step with the
                    service's op log by a follower thread (`cluster.frontdoor.index_follower`)
-    service        `cluster.read_replica: false`: one `route_many` call per batch of decisions
+    service        `cluster.cache_service.read_replica: false`: one `route_many` call per batch of decisions
 Beside them, the same decisions in process (hash + `CacheService.route` on an index with the
 same content, no Ray, no churn). Each Ray measurement runs `--repeats` times on the same
 cluster; the table gives the median and the 1-minute load average after the last one.

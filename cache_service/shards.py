@@ -1,8 +1,8 @@
 """The index split into shards by replica, and a route over them that stays exact.
 
-    cluster.index_shards: N      N cache-service actors; replica r's events, resyncs and booked
-                                 load go to shard `shard_of(r, N)` only, so each shard holds the
-                                 whole index of its replicas and none of the others'
+    cluster.cache_service.shards: N   N cache-service actors; replica r's events, resyncs and
+                                      booked load go to shard `shard_of(r, N)` only, so each shard
+                                      holds the whole index of its replicas and none of the others'
 
 A replica's reconciled hit depends on its own entries only (the coordinator's fixed point over
 its groups), so each shard scores its own replicas exactly (`Router.hits`, the scatter) and the

@@ -3,6 +3,7 @@
     ServeConfig
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
         restart  ReplicaRestartConfig  a fixed count's crash-loop backoff (`control.replica_restarts`)
+        cache_service  CacheServiceConfig  the index's shards and the front doors' read replicas
         (autoscaler: an AutoscalerConfig derived from min/max_replicas and the scale_* keys)
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
@@ -29,6 +30,22 @@ from workers.engine.errors import EngineConfigError
 
 class ConfigError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class CacheServiceConfig:
+    """How the cluster-wide index is served (YAML: `cluster.cache_service`; docs/CONTROL_PLANE.md)."""
+
+    shards: int = 1  # cache-service actors splitting the index by replica (> 1 needs read_replica)
+    # each front door routes on its own copy of the index, kept in step with the cache service's op
+    # log (false: one call to the cache service per batch of decisions)
+    read_replica: bool = True
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
+        if self.shards > 1 and not self.read_replica:
+            raise ValueError("shards > 1 routes on the front doors' read replicas: set read_replica: true")
 
 
 @dataclass(frozen=True)
@@ -111,10 +128,7 @@ class ClusterConfig:
     scale_down_idle_s: float = 60.0  # autoscaler: remove one after this long with nothing in flight
     autoscale_interval_s: float = 1.0
     warm_prefixes: int = 8  # hot prefixes copied onto a replica the autoscaler adds
-    # each front door routes on its own copy of the index, kept in step with the cache service's op
-    # log (false: one call to the cache service per batch of decisions)
-    read_replica: bool = True
-    index_shards: int = 1  # cache-service actors splitting the index by replica (> 1 needs read_replica)
+    cache_service: CacheServiceConfig = field(default_factory=CacheServiceConfig)
     # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
     restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
 
@@ -136,11 +150,6 @@ class ClusterConfig:
             raise ConfigError("cluster.num_frontends must be >= 1")
         if self.distributed_backend not in ("gloo", "nccl"):
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
-        if self.index_shards < 1:
-            raise ConfigError(f"cluster.index_shards must be >= 1, got {self.index_shards}")
-        if self.index_shards > 1 and not self.read_replica:
-            raise ConfigError("cluster.index_shards > 1 routes on the front doors' read replicas: "
-                              "set cluster.read_replica: true")
         if self.max_attempts < 1 or self.max_streams_per_replica < 1:
             raise ConfigError("cluster.max_attempts and cluster.max_streams_per_replica must be >= 1")
         try:

@@ -2,7 +2,7 @@
 
     ClusterController (named "<cluster>-controller", lifetime detached)
       ReplicaSet      replica actors in placement groups; purge = stop; health checks
-      ServiceShards   the cache service: `cluster.index_shards` named actors it starts, each the
+      ServiceShards   the cache service: `cluster.cache_service.shards` named actors it starts, each the
                       index of its replicas (`control.service_shards`; front doors follow them)
       Transfers       page moves (whichever front door asks: one per pair at a time)
       Warmer          new replicas warmed with every front door's hot prefixes (`control.warmup`)
@@ -89,7 +89,7 @@ class ClusterController:
         self._version = 0
         self._lock = threading.RLock()
         self._frontdoors: dict[str, tuple[float, int]] = {}  # front door -> (when, requests unfinished)
-        self.shards = ServiceShards(self.service_name, self.namespace, config.index_shards)
+        self.shards = ServiceShards(self.service_name, self.namespace, config.cache_service.shards)
         listed = self.shards.known_replicas()
         self.adopted = self.replicas.adopt(listed)
         scaling = config.autoscaler is not None and self.adopted  # restarted: the autoscaler goes on from min

@@ -1,4 +1,4 @@
-"""The cache service's shards as the controller drives them (`cluster.index_shards`, one by default).
+"""The cache service's shards as the controller drives them (`cluster.cache_service.shards`, one by default).
 
     shard k    a detached named actor (`cache_service.shards.shard_service_name`): found by name
                (a restarted controller keeps its index) or started

@@ -111,7 +111,7 @@ class ClusterBackend:
         self.status = ClusterStatus(self.controller, self.service)
         self.frontdoor_id = new_frontdoor_id()
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint,
-                                     read_replica=self.config.read_replica, client_id=self.frontdoor_id,
+                                     read_replica=self.config.cache_service.read_replica, client_id=self.frontdoor_id,
                                      num_shards=self.replicas.num_shards)
         self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)

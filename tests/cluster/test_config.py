@@ -25,6 +25,9 @@ def test_shipped_configs_load():
         ("cluster: [1, 2]\n", "cluster: expected a mapping"),
         ("engine: {max_model_len: 8\n", "invalid YAML"),
         ("bogus: 1\n", "bogus: unknown key"),
+        ("cluster:\n  cache_service: {shards: 0}\n", "cluster.cache_service: shards must be >= 1"),
+        ("cluster:\n  cache_service: {shards: 2, read_replica: false}\n", "cluster.cache_service: shards > 1"),
+        ("cluster:\n  index_shards: 2\n", "cluster.index_shards: unknown key"),
     ],
 )
 def test_bad_configs_give_one_clear_error(tmp_path, text, message):
@@ -47,3 +50,12 @@ def test_router_section_reaches_the_cache_services_router_config(tmp_path):
                     "  transfer_cost_per_token: 0.25\n  junction_credit: 0.75\n")
     assert load_config(path).router == RouterConfig(
         prefill_cost_per_token=2.0, load_cost_per_queued_token=3.0, transfer_cost_per_token=0.25, junction_credit=0.75)
+
+
+def test_cache_service_section_sets_shards_and_read_replica(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cluster:\n  cache_service:\n    shards: 3\n")
+    section = load_config(path).cluster.cache_service
+    assert (section.shards, section.read_replica) == (3, True)
+    assert load_config(None, ["cluster.cache_service.read_replica=false"]).cluster.cache_service.read_replica is False
+    assert load_config(None).cluster.cache_service.shards == 1

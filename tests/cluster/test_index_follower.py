@@ -134,17 +134,18 @@ def test_a_sharded_index_is_routed_over_every_shards_read_replica(ray_session):
 
 
 def test_a_cluster_with_a_sharded_index_routes_warm_hits_on_the_front_doors_copy(ray_session, tiny_dir):
-    """`cluster.index_shards: 2` end to end: each replica pushes to its own shard, the front door
+    """`cluster.cache_service.shards: 2` end to end: each replica pushes to its own shard, the front door
     decides on its copies of both (no route call to a service), a resend is routed to the holder
     and hits there, byte-exact, and the copies converge with the replicas' caches."""
-    from cluster.config import ClusterConfig
+    from cluster.config import CacheServiceConfig, ClusterConfig
     from cluster.frontdoor.backend import ClusterBackend
     from tests.conftest import make_prompt
     from workers.engine.config import EngineConfig
     from workers.engine.sampling_params import SamplingParams
 
     config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
-    backend = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=2, index_shards=2))
+    backend = ClusterBackend(tiny_dir, config, ClusterConfig(
+        name=None, num_replicas=2, cache_service=CacheServiceConfig(shards=2)))
     try:
         assert backend.routing.num_shards == 2
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
