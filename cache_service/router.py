@@ -28,12 +28,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
+from cache_service.link_costs import LinkCostConfig
 from cache_service.messages import ReplicaEstimate, RouteDecision, TransferPlan
 from cache_service.scorer import AllReplicaScorer
 
@@ -57,6 +58,8 @@ class RouterConfig:
     # share of the attention match beyond the reconciled hit credited as saved (a junction forms
     # there); 0.5 measured on the Mooncake trace (README "Trace-driven simulation")
     junction_credit: float = 0.5
+    # a planned transfer is done only where the measured link beats recomputing (`link_costs.py`)
+    links: LinkCostConfig = field(default_factory=LinkCostConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.junction_credit < 1.0:

@@ -52,7 +52,9 @@ class TransferMsg:
 @dataclass(frozen=True)
 class TransferResult:
     """The controller's answer to a `TransferMsg`: `ok` False means the request recomputes;
-    `num_bytes` is the payload the source streamed (0 when it failed)."""
+    `num_bytes` is the payload the source streamed (0 when it failed), in `seconds` (the link's
+    time: the pair channel's set-up not counted)."""
 
     ok: bool
     num_bytes: int = 0
+    seconds: float = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import ray
@@ -25,6 +26,7 @@ import ray
 from cache_service.messages import LoadReportMsg
 from workers.engine.request import RequestOutput
 from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, WorkCountsMsg, merge_outputs
+from workers.transfer import page_bytes
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +212,14 @@ class Replica:
         def facts(engine):
             layout = engine.cache.layout
             return (tuple(layout.describe()), engine.cache.coordinator.eagle.value, engine.config.model_fingerprint,
-                    engine.vocab_size, engine.config.max_model_len, engine.cache.alignment, layout.hash_block_size)
+                    engine.vocab_size, engine.config.max_model_len, engine.cache.alignment, layout.hash_block_size,
+                    page_bytes(engine.cache) if self.tp_size == 1 else None)  # TP > 1: pages not movable yet
 
         ctx = ray.get_runtime_context()
-        return ReplicaInfoMsg(self.replica_id, *self.runner.call(facts), node_id=ctx.get_node_id(),
-                              node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), tp_size=self.tp_size)
+        *known, pages = self.runner.call(facts)
+        return ReplicaInfoMsg(self.replica_id, *known, node_id=ctx.get_node_id(),
+                              node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), tp_size=self.tp_size,
+                              page_bytes=pages)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> str:
@@ -288,9 +293,10 @@ class TransferMixin:
 
     @ray.method(concurrency_group="transfer")
     def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int,
-                    peer_id: str, generation: int = 0) -> int:
-        """`generation`: a new one after a failed transfer, so the new pair never meets the old one's
-        keys left in the store."""
+                    peer_id: str, generation: int = 0) -> tuple[int, float]:
+        """(payload bytes, seconds streaming them): the channel's set-up is not counted, so the
+        seconds measure the link (`cache_service.link_costs`). `generation`: a new one after a
+        failed transfer, so the new pair never meets the old one's keys left in the store."""
         from cache_service.block_hash import RequestBlockHashes
         from workers.transfer import send_prefix
 
@@ -298,8 +304,10 @@ class TransferMixin:
         hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
                                     model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
         channel = self._channel(f"{self.replica_id}->{peer_id}#{generation}", 0, None)
-        return send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
-                           corrupt=self.corrupt_this_send())
+        t0 = time.perf_counter()
+        num_bytes = send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
+                                corrupt=self.corrupt_this_send())
+        return num_bytes, time.perf_counter() - t0
 
     def corrupt_this_send(self) -> bool:
         """Whether to flip a byte of this send after its checksum (a seam for test doubles)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cache_service.block_hash import BlockHash
+from cache_service.link_costs import PageBytes
 from workers.engine.request import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -67,3 +68,5 @@ class ReplicaInfoMsg:
     node_ip: str
     pid: int
     tp_size: int
+    # what a transfer of its hits moves (`workers.transfer.page_bytes`); None: its pages cannot move (TP > 1)
+    page_bytes: PageBytes | None = None

@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
+from cache_service.link_costs import PageBytes
 from workers.engine.cache_manager import EngineCacheManager
 
 
@@ -68,6 +69,19 @@ def group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
             caches.ssm[layer] for layer in sorted(caches.ssm)
         ]
     return [t for layer in sorted(caches.draft_kv) for t in caches.draft_kv[layer]]
+
+
+def page_bytes(cache: EngineCacheManager) -> PageBytes:
+    """What a transfer of an n-token hit moves, as a line in n (`cache_service.link_costs`): one
+    page of each Mamba group, n / block_size pages of each attention group."""
+    fixed, per_token = 0, 0.0
+    for g, spec in enumerate(cache.layout.groups):
+        nbytes = sum(t[0].numel() * t.element_size() for t in group_tensors(cache, g))
+        if spec.kind == "mamba":
+            fixed += nbytes
+        else:
+            per_token += nbytes / cache.block_size
+    return PageBytes(fixed, per_token)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

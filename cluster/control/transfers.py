@@ -53,9 +53,9 @@ class Transfers:
                 gen = self._channel_gen.get((src, dst), 0)  # a fresh pair after a failure
                 sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
                 received = d.actor.recv_prefix.remote(src, endpoint, gen)
-                num_bytes, _ = ray.get([sent, received], timeout=self.timeout_s)
+                (num_bytes, seconds), _ = ray.get([sent, received], timeout=self.timeout_s)
             self.counters["transfers"] += 1
-            return TransferResult(True, int(num_bytes))
+            return TransferResult(True, int(num_bytes), float(seconds))
         except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
             log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
             self.counters["transfer_failures"] += 1

@@ -15,7 +15,8 @@ per concept:
     submit(request)                                   (returns at once; a worker thread serves it)
       0. hash the prompt, once (the replica's engine adopts the hashes)
       1. route: one call to the cache service (no lock, no pull); if the plan says the holder is
-         busy, the controller moves its pages to the chosen replica first (recompute on failure)
+         busy, the controller moves its pages to the chosen replica first, where the link measured
+         beats recomputing them (`page_mover.py`; recompute on failure)
       2. stream the replica's outputs into the request's stream
       3. the replica died or reports itself unhealthy: the controller purges (stops) it, the
          request is served elsewhere; tokens the caller already has are not sent twice (greedy and
@@ -49,12 +50,12 @@ from cluster.control.controller import CONTROLLER_MAX_RESTARTS, AutoscalerProxy,
 from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
+from cluster.frontdoor.page_mover import PageMover
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
 from cluster.frontdoor.status import ClusterStatus, DoorMetrics
 from cluster.http.metrics import route_reason
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
-from cluster.messages import TransferMsg, TransferResult
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -113,6 +114,7 @@ class ClusterBackend:
         self.routing = RoutingClient(self.service_name, self.namespace, first.hash_block_size, first.fingerprint,
                                      read_replica=self.config.cache_service.read_replica, client_id=self.frontdoor_id,
                                      num_shards=self.replicas.num_shards)
+        self.mover = PageMover(self.controller, self.replicas, self.router.links)
         self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
                            if self.config.autoscaler is not None else None)
@@ -228,8 +230,9 @@ class ClusterBackend:
         with self._lock:
             self.num_retries += 1
 
-    def finished(self, job: Job) -> None:
+    def finished(self, job: Job, output: RequestOutput) -> None:
         self.hot.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
+        self.mover.observe_output(job.served_by, output)
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route, reserve this front door's count on the target, move pages if planned; the target.
@@ -252,8 +255,10 @@ class ClusterBackend:
         self.on_routed(job.msg, decision, target)
         if decision is not None:
             move = plan_transfer(decision, target)
-            if move is not None:
+            if move is not None and self.mover.worth_moving(*move):
                 self.transfer(list(job.msg.prompt_token_ids), job.msg.cache_salt, *move)
+            elif move is not None and self.metrics is not None:
+                self.metrics.record_transfer_skipped()
         return target
 
     def on_routed(self, msg: GenerateMsg, decision, target: str) -> None:
@@ -267,15 +272,10 @@ class ClusterBackend:
 
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
                  num_tokens: int) -> bool:
-        """Move the pages of a `num_tokens` hit src -> dst (the controller does it: one transfer per
-        pair at a time, whichever front door asks). False on any failure (the request recomputes)."""
+        """Move the pages of a `num_tokens` hit src -> dst now (`page_mover.PageMover.move`). False
+        on any failure (the request recomputes)."""
         t0 = time.perf_counter()
-        try:
-            result = ray.get(self.controller.transfer.remote(TransferMsg(tuple(prompt_token_ids), cache_salt, src,
-                                                                         dst, num_tokens)))
-        except Exception:  # noqa: BLE001 - the controller died (Ray restarts it): recompute
-            log.warning("transfer %s -> %s not done: the controller is down", src, dst)
-            result = TransferResult(False)
+        result = self.mover.move(prompt_token_ids, cache_salt, src, dst, num_tokens)
         if self.metrics is not None:
             self.metrics.record_transfer(result.ok, time.perf_counter() - t0, result.num_bytes)
         return result.ok
@@ -289,13 +289,13 @@ class ClusterBackend:
     @property
     def counters(self) -> dict:
         """Routing, transfer, failure and resync counts (`frontdoor.status`)."""
-        return self.status.counters(self.routing.counters, self.num_retries)
+        return {**self.status.counters(self.routing.counters, self.num_retries), **self.mover.counters}
 
     def stats(self) -> dict:
         with self._lock:
             reps = {r: {"inflight": rep.num_inflight, "draining": rep.draining, "node_id": rep.info.node_id}
                     for r, rep in self.replicas.replicas.items()}
-        return {"replicas": reps, "inflight": len(self._jobs), **self.counters}
+        return {"replicas": reps, "inflight": len(self._jobs), **self.counters, **self.mover.links.snapshot()}
 
     def service_stats(self) -> dict:
         return ray.get(self.service.stats.remote(), timeout=SERVICE_TIMEOUT_S)

@@ -67,8 +67,9 @@ class FrontDoor(Protocol):
 
     def count_retry(self) -> None: ...
 
-    def finished(self, job: Job) -> None:
-        """Called before the final output goes out (the front door remembers the prompt as hot)."""
+    def finished(self, job: Job, output: RequestOutput) -> None:
+        """Called before the final output goes out (the front door remembers the prompt as hot, and
+        the replica's prefill speed)."""
 
 
 def serve_request(door: FrontDoor, job: Job) -> None:
@@ -126,7 +127,7 @@ def stream_from(door: FrontDoor, job: Job, target: str, delivered: list[int]) ->
         out = dataclasses.replace(delta, new_token_ids=tuple(fresh), token_ids=tuple(delivered), logprobs=logprobs)
         if out.finished:
             job.served_by = target
-            door.finished(job)
+            door.finished(job, out)
         job.stream.put(out)
         if out.finished:
             return True

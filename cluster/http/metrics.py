@@ -137,6 +137,10 @@ class Metrics:
         self.transfer_seconds.observe(seconds)
         self.transfer_bytes.inc(num_bytes)
 
+    def record_transfer_skipped(self) -> None:
+        """A planned move not done: the link measured is slower than recomputing (`page_mover`)."""
+        self.transfers.labels("skipped_slow_link").inc()
+
     def attach_engine_stats(self, stats) -> None:
         """Gauges read from a local engine's `stats()` at each scrape (retained Mamba checkpoints:
         count, bytes, budget, evictions; skipped snapshots)."""

@@ -11,7 +11,15 @@ reads the veth counters around the transfer alone:
     -> {"served": ..., "tokens": ..., ...}     the same prompt forced onto the other replica: the
                                                holder's pages move first, then it is served there
     <- a line
+    -> {"fast": {...}}                         a second prompt, the link now measured fast: moved
+    <- a line                                  (the test has slowed the holder's link with tbf)
+    -> {"slow": {...}, "skipped": {...}}       a third prompt moved once more (the fast measurement),
+                                               which measures the link slow; a fourth recomputes
+    <- a line
     -> {"stopped": true}                       the cluster shut down (replicas, service, controller)
+
+Each move phase serves a new prompt cold on the holder, then forces it onto the other replica
+and reports the front door's link choice (`cluster.frontdoor.page_mover`).
 
 Not `tests.conftest`'s `make_prompt`: importing it keeps Ray on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER).
 """
@@ -48,6 +56,21 @@ def _actor_addresses(names: list[str]) -> dict[str, str | None]:
     return {name: alive.get(name) for name in names}
 
 
+def _move_phase(backend, prompt: list[int], holder: str, other: str) -> dict:
+    """`prompt` cold on `holder`, then forced onto `other`: the link choice and what it served."""
+    cold, on = backend.generate(prompt, PARAMS, replica_id=holder)
+    before = backend.counters
+    forced, served = backend.generate(prompt, PARAMS, replica_id=other)
+    after = backend.counters
+    choice = backend.mover.last_choice
+    return {"cold_on": on, "served": served, "same_tokens": forced.token_ids == cold.token_ids,
+            "num_cached_tokens": forced.num_cached_tokens,
+            "transfers": after["transfers"] - before["transfers"],
+            "skipped": after["transfers_skipped_slow_link"] - before["transfers_skipped_slow_link"],
+            "move": choice.move, "measured": choice.measured, "transfer_s": choice.transfer_s,
+            "recompute_s": choice.recompute_s, "link_bytes_per_s": choice.link_bytes_per_s}
+
+
 def serve(head: str, node_ip: str, model_dir: str) -> dict:
     import ray
 
@@ -76,6 +99,14 @@ def serve(head: str, node_ip: str, model_dir: str) -> dict:
               num_computed_prompt_tokens=forced.num_computed_prompt_tokens,
               transfers=backend.counters["transfers"],
               transfer_bytes=metrics.registry.get_sample_value("hybridserve_transfer_bytes_total"))
+        sys.stdin.readline()
+        _emit(fast=_move_phase(backend, make_prompt(PROMPT_LEN, 2), holder, other))
+        sys.stdin.readline()
+        _emit(slow=_move_phase(backend, make_prompt(PROMPT_LEN, 3), holder, other),
+              skipped=_move_phase(backend, make_prompt(PROMPT_LEN, 4), holder, other),
+              links=backend.mover.links.snapshot(),
+              skipped_metric=metrics.registry.get_sample_value("hybridserve_transfers_total",
+                                                               {"outcome": "skipped_slow_link"}))
         sys.stdin.readline()
     finally:
         backend.shutdown()

@@ -209,10 +209,12 @@ def test_backend_failures_are_json_errors_and_sse_error_events():
         backend.metrics.record_route("hybrid", "replica-0")
         backend.metrics.record_transfer(True, 0.02, 4096)
         backend.metrics.record_transfer(False, 1.5, 0)
+        backend.metrics.record_transfer_skipped()
         text = c.get("/metrics").text
     assert 'hybridserve_routing_decisions_total{policy="hybrid",replica="replica-0"} 1.0' in text
     assert 'hybridserve_transfers_total{outcome="ok"} 1.0' in text
     assert 'hybridserve_transfers_total{outcome="failed"} 1.0' in text
+    assert 'hybridserve_transfers_total{outcome="skipped_slow_link"} 1.0' in text
     assert "hybridserve_transfer_seconds_count 2.0" in text and "hybridserve_transfer_bytes_total 4096.0" in text
     assert 'hybridserve_requests_total{status="error"} 2.0' in text
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling_params import SamplingParams
-from workers.transfer import TransferError, export_prefix, import_prefix, send_prefix
+from workers.transfer import TransferError, export_prefix, import_prefix, page_bytes, send_prefix
 from workers.transfer_channel import WorldChannel
 from workers.transfer_recv import recv_prefix
 
@@ -30,6 +30,10 @@ def test_transferred_prefix_is_a_local_hit_with_identical_output(tiny_model, eag
     (cold,) = src.generate([prompt], PARAMS)
     hit = 448  # R = floor(499 / 64) * 64; drop: the draft block [448, 464) proves the successor token
     header, payload = export_prefix(src.cache, _hashes(src, prompt), hit)
+    # what the front door prices the transfer at (`link_costs`): exact, but for drop's extra draft block
+    pages = page_bytes(src.cache)
+    extra = payload.numel() * payload.element_size() - pages.of(hit)
+    assert extra == 0 if eagle == "lossless" else 0 < extra < pages.per_token * src.cache.block_size
     assert import_prefix(dst.cache, header, payload) == sum(len(keys) for keys in header.keys)
     dst.cache.check_integrity()
     before = tiny_model.forward_counts.num_prompt_tokens
