@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from workers.replica_messages import ReplicaInfoMsg
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
+SUSPECT_NODE_S = 120.0  # a node that lost a replica (died, stopped answering) gets none this long if another can
 ADOPT_TIMEOUT_S = 60.0  # a found replica still loading its model this long is stopped, not adopted
 
 
@@ -74,6 +76,7 @@ class ReplicaSet:
         self.replicas: dict[str, ReplicaHandle] = {}
         self.fingerprint: str | None = None
         self.num_deaths = 0
+        self._suspect_nodes: dict[str, float] = {}  # node id -> when a replica of it was purged as failed
 
     # ---- lifecycle --------------------------------------------------------------------------
     def add(self, n: int) -> list[str]:
@@ -123,7 +126,12 @@ class ReplicaSet:
     def spread(self, n: int) -> list[str | None]:
         """A target node per new replica: the alive nodes with the replica's resources holding
         the fewest replicas first (Ray's own placement was seen stacking replicas on one node
-        while another was idle). None: one node, let Ray place it."""
+        while another was idle). None: one node, let Ray place it.
+
+        A node that lost a replica in the last `SUSPECT_NODE_S` comes last: a lost or partitioned
+        host stays alive to Ray for tens of seconds after its replicas were purged, and holds the
+        fewest replicas then; a replacement sent there waits until Ray calls it dead (or forever,
+        while a partition lasts). The bed's partition test: no replacement within 60 s without this."""
         cpus, gpus = self.config.num_cpus_per_rank, self.config.num_gpus_per_rank
         nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")
                  and node.get("Resources", {}).get("CPU", 0) >= cpus
@@ -135,9 +143,11 @@ class ReplicaSet:
             for rep in self.replicas.values():
                 if rep.info.node_id in count:
                     count[rep.info.node_id] += 1
+            now = time.monotonic()
+            suspect = {node for node, t in self._suspect_nodes.items() if now - t < SUSPECT_NODE_S}
         out = []
         for _ in range(n):
-            node = min(nodes, key=lambda x: (count[x], nodes.index(x)))
+            node = min(nodes, key=lambda x: (x in suspect, count[x], nodes.index(x)))
             count[node] += 1
             out.append(node)
         return out
@@ -224,6 +234,8 @@ class ReplicaSet:
             return False
         if reason != REMOVED:
             self.num_deaths += 1
+            with self._lock:
+                self._suspect_nodes[rep.info.node_id] = time.monotonic()
             log.warning("replica %s %s: purging and stopping it", replica_id, reason)
         else:
             try:
