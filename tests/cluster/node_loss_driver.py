@@ -89,6 +89,19 @@ def _hosts(backend) -> dict[str, str]:
             if (rep := backend.replicas.get(r)) is not None}
 
 
+def _victims_now(backend, victims: set[str], where: dict[str, str]) -> dict:
+    """The lost replicas' actors as the GCS has them, and whether Ray calls their host alive again."""
+    import ray
+    from ray._private.state import actors
+
+    from cluster.ids import replica_actor_name
+
+    names = {replica_actor_name(backend.name, v) for v in victims}
+    addresses = {where[v] for v in victims}
+    return {"victim_states": sorted(a["State"] for a in actors().values() if a["Name"] in names),
+            "victim_hosts_alive": sorted(n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] in addresses)}
+
+
 def _indexed(backend) -> set[str]:
     try:
         return set(backend.service_stats()["replicas"])
@@ -121,7 +134,8 @@ def _wave(backend, k: int) -> None:
     for _, target in backend.routes[first:]:
         routed[target] = routed.get(target, 0) + 1
     num_retries_before = backend.num_retries
-    _emit(routed=routed, hosts=_hosts(backend))
+    where = _hosts(backend)
+    _emit(routed=routed, hosts=where)
     t_kill = time.monotonic()  # the test loses the host now: times from here include its kill / cut
     victims = set(_read()["victims"])
     purge_s = time.monotonic() - t_kill
@@ -157,6 +171,7 @@ def _wave(backend, k: int) -> None:
     except TimeoutError:
         consistent_s = None
     _emit(after=[a.get("tokens") == c.get("tokens") for a, c in zip(again, cold)],
+          **_victims_now(backend, victims, where),
           errors=[a["error"] for a in again if "error" in a], problems=problems, consistent_s=consistent_s,
           routes_to_victims=sum(1 for t, r in backend.routes if t > t_after and r in victims),
           replicas=backend.replica_ids, indexed=sorted(_indexed(backend)), victims=sorted(victims))

@@ -99,6 +99,7 @@ def _assert_consistent(after: dict) -> None:
     assert after["problems"] == [], after  # the index equals the live replicas' caches
     assert after["routes_to_victims"] == 0
     assert not set(after["victims"]) & set(after["indexed"])
+    assert after["victim_states"] == ["DEAD"] * len(after["victims"]), after  # stopped, not left running
     assert 3 <= len(after["replicas"]) <= 4
 
 
