@@ -17,11 +17,15 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The multi-host test bed (bench/netbed.py) needs iproute2 (ip, tc) and root: installed here when
-# missing and possible; otherwise its tests skip and say why.
+# The multi-host test bed (bench/netbed.py) needs iproute2 (ip, tc) and root, its GCS restart test
+# (tests/cluster/test_gcs_restart.py) a redis-server: installed here when missing and possible;
+# otherwise those tests skip and say why.
 test: $(STAMP) lint
 	@command -v ip >/dev/null && command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } || echo "iproute2 missing: the multi-host bed tests skip"
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
+		|| echo "redis-server missing: the GCS restart test skips"
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

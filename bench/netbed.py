@@ -10,6 +10,9 @@
         bed.slow_link(1, 20_000_000); bed.cut_link(1); bed.restore_link(1)
         bench.netbed_probes.measure_tcp_rate(bed, 0, 1)  # bytes/s of a TCP stream host 0 -> host 1
 
+    with NetBed(BedSpec(redis_port=6380)) as bed:      the head's GCS keeps its tables in Redis (`bench.netbed_gcs`)
+        gcs = bed.kill_gcs(); bed.restart_gcs(gcs)     SIGKILL the GCS, exec it again: the cluster goes on
+
 Each host's Ray has its own `--temp-dir` (/tmp/hsbed/<slot>/h<i>), `--node-ip-address` (its
 namespace's address), one CPU, a custom resource `host<i>` (for placing work on a host), no
 dashboard. Drivers run *inside* a host's namespace (`run_in`): a Ray driver needs a raylet on its own
@@ -41,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import netbed_gcs as gcs
 from bench import netbed_net as net
 from bench.netbed_net import BedError, HostNet, LinkFeatureUnavailable, unavailable_reason
 
@@ -58,6 +62,9 @@ class BedSpec:
     object_store_bytes: int = 80 * 2**20
     ray_port: int = 6379  # the same on every host: each namespace has its own ports
     start_timeout_s: float = 90.0
+    head_num_cpus: int | None = None  # None: num_cpus (0: nothing needing a CPU lands on the head)
+    redis_port: int | None = None  # GCS fault tolerance: the head's GCS keeps its tables in a redis-server
+    # on this port of host 0's loopback (`bench.netbed_gcs`); None: in the GCS's memory
 
 
 def bed_dir(slot: int) -> Path:
@@ -107,6 +114,7 @@ class NetBed:
         self.hosts: list[HostNet] = []
         self.netns_inodes: list[int] = []
         self._lock_fd: int | None = None
+        self._children: list[subprocess.Popen] = []  # daemons started for the bed (not by `ray start`): reaped on down
 
     def __enter__(self) -> NetBed:
         try:
@@ -151,6 +159,8 @@ class NetBed:
         if self._lock_fd is None:
             return []
         removed = _clear_slot(self.slot)
+        for child in self._children:  # killed with the namespace's processes; reaped, or it lingers as a zombie
+            child.wait(timeout=10)
         os.close(self._lock_fd)
         self._lock_fd = None
         return removed
@@ -185,9 +195,19 @@ class NetBed:
                            f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
         return r
 
-    def popen_in(self, host: int | HostNet, argv: list[str], **kw) -> subprocess.Popen:
+    def popen_in(self, host: int | HostNet, argv: list[str], extra_env: dict[str, str] | None = None,
+                 **kw) -> subprocess.Popen:
         kw.setdefault("cwd", REPO_ROOT)
-        return subprocess.Popen(self._argv(host, argv), env=self.env(host), **kw)
+        return subprocess.Popen(self._argv(host, argv), env={**self.env(host), **(extra_env or {})}, **kw)
+
+    def kill_gcs(self) -> gcs.GcsProcess:
+        """SIGKILL the head's gcs_server; what `restart_gcs` needs to start it again."""
+        return gcs.kill_gcs(self)
+
+    def restart_gcs(self, killed: gcs.GcsProcess) -> None:
+        """The killed GCS exec'd again (its argv, environment, cwd) in host 0's namespace: with
+        `redis_port` set it reloads its tables from Redis and the cluster goes on."""
+        self._children.append(gcs.restart_gcs(self, killed))
 
     # -- links ---------------------------------------------------------------------------------
 
@@ -213,16 +233,23 @@ class NetBed:
     def _ray_start(self, h: HostNet, head: bool) -> subprocess.Popen:
         temp = self.dir / f"h{h.index}"
         temp.mkdir(exist_ok=True)
-        argv = ["ray", "start", "--node-ip-address", h.address, "--num-cpus", str(self.spec.num_cpus),
+        num_cpus = self.spec.num_cpus if not head or self.spec.head_num_cpus is None else self.spec.head_num_cpus
+        argv = ["ray", "start", "--node-ip-address", h.address, "--num-cpus", str(num_cpus),
                 "--object-store-memory", str(self.spec.object_store_bytes), "--temp-dir", str(temp),
                 "--resources", json.dumps({f"host{h.index}": 1}), "--disable-usage-stats"]
         argv += (["--head", "--port", str(self.spec.ray_port), "--include-dashboard=false"] if head
                  else ["--address", self.head_address])
+        extra_env = None
+        if head and self.spec.redis_port is not None:
+            argv += ["--redis-password", gcs.redis_password(self.dir)]
+            extra_env = gcs.head_env(self.slot, self.spec.redis_port)
         with open(temp / "ray_start.log", "w") as log:  # a file, not a pipe: Ray's daemons inherit it
-            return self.popen_in(h, argv, stdout=log, stderr=subprocess.STDOUT)
+            return self.popen_in(h, argv, extra_env, stdout=log, stderr=subprocess.STDOUT)
 
     def _start_ray(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
+        if self.spec.redis_port is not None:
+            self._children.append(gcs.start_redis(self))
         self._await_start(self.hosts[0], self._ray_start(self.hosts[0], head=True), deadline)
         workers = [(h, self._ray_start(h, head=False)) for h in self.hosts[1:]]
         for h, proc in workers:
