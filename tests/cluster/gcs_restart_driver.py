@@ -1,7 +1,7 @@
 """A hybridserve cluster on a bed whose head keeps its GCS tables in Redis, serving steady greedy
 traffic while the test kills the head's GCS and starts it again (`tests/cluster/test_gcs_restart.py`).
 The front door, controller and cache service run here, in host 0's namespace; the head has no CPU,
-so the 2 replicas (1 CPU each) run on the worker hosts. One JSON line per phase on stdout; between
+so the replicas (half a CPU each) run on the worker hosts. One JSON line per phase on stdout; between
 phases it waits for a line on stdin:
 
     python -m tests.cluster.gcs_restart_driver HEAD NODE_IP MODEL_DIR
@@ -14,7 +14,8 @@ phases it waits for a line on stdin:
     <- {"restarted": true}                       (the test has killed the GCS and started it again)
     -> {"resume_s": ..., "requests": {...}, ...} the control plane answers again (nodes, a named actor,
                                                  a fresh request), traffic stopped; every request's end;
-                                                 the replicas' pids and the warm prefix once more
+                                                 the replicas' pids and the warm prefix once more; a
+                                                 third replica started (a new actor and placement group)
     <- {"stop": true}
     -> {"stopped": true}
 
@@ -148,7 +149,7 @@ def serve(head: str, node_ip: str, model_dir: str) -> dict:
 
     ray.init(address=head, _node_ip_address=node_ip, namespace=NAMESPACE, log_to_driver=False,
              configure_logging=False)
-    backend = ClusterBackend(model_dir, CONFIG, ClusterConfig(name=None, num_replicas=2, num_cpus_per_rank=1.0))
+    backend = ClusterBackend(model_dir, CONFIG, ClusterConfig(name=None, num_replicas=2, num_cpus_per_rank=0.5))
     try:
         replicas = _replicas(backend)
         holder = backend.replica_ids[0]
@@ -178,9 +179,14 @@ def serve(head: str, node_ip: str, model_dir: str) -> dict:
         while clients.num_finished() < num_before + 2 * NUM_CLIENTS and time.monotonic() - t_restarted < BOUND_S:
             time.sleep(0.05)
         requests = clients.finish()
+        kept, warm_after = _replicas(backend), _warm(backend, holder)
+        t_add = time.monotonic()  # a new replica: an actor and a placement group, created by the GCS
+        added = backend.add_replicas(1)[0]
+        added_tokens = list(backend.generate(prompts[0], PARAMS, replica_id=added)[0].token_ids)
         _emit(control_s=control_s, resume_s=resume_s, fresh_served=fresh is not None, requests=requests,
-              finished_after_restart=clients.num_finished() - num_before, replicas=_replicas(backend),
-              warm=_warm(backend, holder), stats=backend.counters)
+              finished_after_restart=clients.num_finished() - num_before, replicas=kept, warm=warm_after,
+              added_s=time.monotonic() - t_add, added_same_tokens=added_tokens == cold[0],
+              added_host=_replicas(backend)[added]["host"], stats=backend.counters)
         _read()
     finally:
         backend.shutdown()

@@ -7,7 +7,8 @@ left down a few seconds, and exec'd again with its argv and environment (as Kube
 Asserted: requests keep finishing while the GCS is down (serving never asks the GCS); the control
 plane answers again (every node alive, a named actor found) and a fresh request is served within
 a bound; the replicas are the same processes (pids asked of them) and kept their caches (a warm
-prefix still hits, its tokens unchanged); every request finished with its cold output, on the
+prefix still hits, its tokens unchanged); a new replica starts (actor and placement group creation
+need the GCS) and serves the cold output; every request finished with its cold output, on the
 first try or after a retryable error (HTTP 503) - none wrong, none lost to another error, none hung.
 """
 
@@ -89,7 +90,8 @@ def test_gcs_restart_keeps_replicas_and_loses_no_request(redis_bed, tiny_dir, tm
     print(json.dumps({"gcs_down_s": round(down_s, 2), "finished_before_kill": num_before_kill,
                       "finished_while_gcs_down": num_while_down, "control_s": round(after["control_s"], 2),
                       "resume_s": round(after["resume_s"], 2), "requests": requests,
-                      "finished_after_restart": after["finished_after_restart"], "stats": after["stats"]}))
+                      "finished_after_restart": after["finished_after_restart"], "added_s": round(after["added_s"], 2),
+                      "stats": after["stats"]}))
     workers = {h.address for h in bed.hosts[1:]}
     assert {r["host"] for r in placed["replicas"].values()} == workers, placed  # one replica per worker host
     assert placed["warm"][0]["num_cached_tokens"] == 0 and placed["warm"][1]["num_cached_tokens"] > 0, placed
@@ -100,6 +102,7 @@ def test_gcs_restart_keeps_replicas_and_loses_no_request(redis_bed, tiny_dir, tm
     assert after["warm"]["served"] == placed["holder"]
     assert after["warm"]["num_cached_tokens"] == placed["warm"][1]["num_cached_tokens"]  # its cache kept
     assert after["warm"]["tokens"] == placed["warm"][0]["tokens"]
+    assert after["added_same_tokens"] and after["added_host"] in workers, after  # the GCS creates actors again
     assert requests["num_wrong"] == 0 and requests["num_hung"] == 0, requests
     assert requests["errors"] == [], requests  # none lost: every one finished, if need be on a retry
     assert requests["num_finished"] == requests["num_requests"] > 0, requests
