@@ -68,7 +68,10 @@ def driver(netbed, tiny_dir, tmp_path_factory):
         try:
             d.placed = d.read()["replicas"]
             yield d
-            assert d.ask(stop=True) == {"stopped": True}
+            reply = d.ask(stop=True)
+            if "after" in reply:  # a test failed before its check: the driver took this line for it
+                reply = d.ask(stop=True)
+            assert reply == {"stopped": True}
             assert proc.wait(timeout=60) == 0
         finally:
             proc.kill()
