@@ -40,6 +40,8 @@ def connect_ray(address: str | None, node_ip_address: str = "127.0.0.1", dashboa
             # this when first imported, so it only helps before that (as in `hybridserve serve`)
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
             kw["_node_ip_address"] = node_ip_address
+        elif not node_ip_address.startswith("127."):  # this host's address, set by the operator
+            kw["_node_ip_address"] = node_ip_address
         # a fixed namespace: a restarted driver finds the running cluster's controller by name
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False, **kw)
         log.info("joined the Ray cluster at %s", address)
