@@ -125,7 +125,7 @@ class Driver:
         elif name in ("drop_events", "reorder_events"):
             actor = b.replicas.get(victim).actor
             ray.get(actor.inject_event_fault.remote(name.split("_")[0]), timeout=30)
-            took = self._await_fired(actor, victim)
+            took = self._await_fired(actor, victim, since=fired)
             if took is None:  # scored as not recovered: a fault that never fired tested nothing
                 return {"fired": fired, "victim": victim, "not_fired": True}
             fired = took
@@ -136,16 +136,17 @@ class Driver:
             raise ValueError(f"unknown driver fault {name!r}; choose from {', '.join(DRIVER_FAULTS)}")
         return {"fired": fired, **({"victim": victim} if name in REPLICA_FAULTS else {})}
 
-    def _await_fired(self, actor, victim: str, wait_s: float = 5.0, tries: int = 3) -> float | None:
+    def _await_fired(self, actor, victim: str, since: float, wait_s: float = 5.0, tries: int = 3) -> float | None:
         """When the event fault took effect (on the victim's next non-empty event batch): traffic's
         own, else a request of its own on the victim under a fresh salt (new blocks, so events; the
-        traffic's prompts are all cached after a while); None if it never did."""
+        traffic's prompts are all cached after a while); None if it never did. Only a time after
+        `since` counts: the actor keeps the time of its earlier faults (a corrupted transfer too)."""
         import ray
 
         for attempt in range(tries + 1):
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if (t := ray.get(actor.fault_time.remote(), timeout=30)) is not None:
+                if (t := ray.get(actor.fault_time.remote(), timeout=30)) is not None and t >= since:
                     return t
                 time.sleep(0.1)
             if attempt < tries:

@@ -44,7 +44,10 @@ def check_report(out, report: dict) -> None:
     for name, row in report["by_fault"].items():
         assert row["times"] >= 1 and row["max_recovery_s"] is not None, (name, row)
         assert row["lost"] == 0 and row["differing"] == 0, (name, row)
+    fired = [w["fired"] for w in report["windows"]]
+    assert fired == sorted(fired), "a fault's time taken from an earlier one (one at a time, in order)"
     for w in report["windows"]:
+        assert w["fired"] < w["until"], w
         assert w["sent"] >= 1, f"no request started while {w['name']} was in force: {w}"
         assert w["recovery_s"] is not None and w["recovery_s"] >= 0
     totals = report["totals"]
