@@ -25,7 +25,7 @@ from bench.netbed import BedSpec, NetBed
 from bench.netbed_gcs import redis_reason
 from tests.cluster.netbed_fixture import require_netbed
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.chaos, pytest.mark.heavy, pytest.mark.timeout(180)]
 
 REDIS_PORT = 6380
 DOWN_S = 4.0  # the GCS stays down this long (raylets wait 60 s: RAY_gcs_rpc_server_reconnect_timeout_s)

@@ -34,7 +34,7 @@ from tests.cluster.node_loss_driver import NUM_PROMPTS
 
 netbed = netbed_fixture.netbed  # the module's bed (a fixture, used by name)
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.heavy, pytest.mark.timeout(240)]
 
 BOUND_S = 30.0  # purge, replacement: bounds (the controller's health checks: ~3 s), not measurements
 
