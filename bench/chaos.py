@@ -28,9 +28,7 @@ made here (with the reason).
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from pathlib import Path
 
 from bench.chaos_driver import DRIVER_FAULTS
 from bench.chaos_report import FaultWindow, availability, by_fault, format_table, score, write_outputs
+from bench.netbed_driver import BedDriver
 from bench.reports import default_report
 
 TINY_TRAINED = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-trained")
@@ -57,26 +56,12 @@ class Soak:
         argv = [sys.executable, "-m", "bench.chaos_driver", bed.head_address, bed.hosts[0].address, model_dir,
                 str(seed), str(concurrency), str(tp_size)]
         self._log = open(log_path, "w+")
-        self.driver = bed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                   text=True)
-        self.ready = self._read()
-
-    def _read(self, timeout_s: float = ANSWER_TIMEOUT_S) -> dict:
-        ready, _, _ = select.select([self.driver.stdout], [], [], timeout_s)
-        if not ready:
-            self._log.seek(0)
-            raise RuntimeError(f"the chaos driver gave no answer in {timeout_s:.0f} s:\n{self._log.read()[-4000:]}")
-        line = self.driver.stdout.readline()
-        if not line:
-            self.driver.wait(timeout=30)
-            self._log.seek(0)
-            raise RuntimeError(f"the chaos driver exited {self.driver.returncode}:\n{self._log.read()[-4000:]}")
-        return json.loads(line)
+        proc = bed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.driver = BedDriver(proc, self._log, timeout_s=ANSWER_TIMEOUT_S)
+        self.ready = self.driver.read()
 
     def ask(self, **cmd) -> dict:
-        self.driver.stdin.write(json.dumps(cmd) + "\n")
-        self.driver.stdin.flush()
-        return self._read()
+        return self.driver.ask(**cmd)
 
     def replica_hosts(self) -> dict[str, str]:
         return self.ask(cmd="where")["replicas"]
@@ -110,13 +95,13 @@ class Soak:
 
     def stop(self) -> dict:
         out = self.ask(cmd="stop")
-        self.driver.wait(timeout=120)
+        self.driver.proc.wait(timeout=120)
         return out
 
     def close(self) -> None:
-        if self.driver.poll() is None:
-            self.driver.kill()
-            self.driver.wait()
+        if self.driver.proc.poll() is None:
+            self.driver.proc.kill()
+            self.driver.proc.wait()
         self._log.close()
 
 

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from bench.netbed import BedSpec, NetBed
+from bench.netbed_driver import BedDriver
 from bench.netbed_gcs import redis_reason
 from tests.cluster.netbed_fixture import require_netbed
 
@@ -43,30 +44,12 @@ def redis_bed():
     assert bed.leftovers() == [], "the bed left these behind"
 
 
-class Driver:
-    def __init__(self, proc: subprocess.Popen, log) -> None:
-        self.proc, self.log = proc, log
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
-            self.log.seek(0)
-            raise AssertionError(f"the driver exited {self.proc.returncode}:\n{self.log.read()[-6000:]}")
-        return json.loads(line)
-
-    def ask(self, **msg) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-
 def test_gcs_restart_keeps_replicas_and_loses_no_request(redis_bed, tiny_dir, tmp_path):
     bed = redis_bed
     argv = [sys.executable, "-m", "tests.cluster.gcs_restart_driver", bed.head_address, bed.hosts[0].address, tiny_dir]
     with open(tmp_path / "driver.log", "w+") as log:
         proc = bed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        driver = Driver(proc, log)
+        driver = BedDriver(proc, log)
         try:
             placed = driver.read()
             num_before_kill = driver.ask(traffic=True)["num_finished"]

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from bench import netbed_net
+from bench.netbed_driver import BedDriver
 from tests.cluster import netbed_fixture
 from tests.cluster.netbed_serve_driver import CONFIG, PROMPT_LEN
 
@@ -24,21 +25,6 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(150)]
 
 HIT = (PROMPT_LEN - 1) // 64 * 64  # 576: the tiny model hits in 64-token units, below the last token
 SLOW_LINK_BIT = 4_000_000  # 0.5 MB/s: the 576-token hit's 2.1 MB take about 4 s, its prefill well under 1 s
-
-
-def _read(driver: subprocess.Popen, log) -> dict:
-    line = driver.stdout.readline()
-    if not line:
-        driver.wait(timeout=30)
-        log.seek(0)
-        raise AssertionError(f"the driver exited {driver.returncode}:\n{log.read()[-4000:]}")
-    return json.loads(line)
-
-
-def _next(driver: subprocess.Popen, log, line: str = "next") -> dict:
-    driver.stdin.write(line + "\n")
-    driver.stdin.flush()
-    return _read(driver, log)
 
 
 def _page_bytes(model_dir: str, num_tokens: int) -> int:
@@ -53,26 +39,25 @@ def test_a_warm_hit_crosses_hosts_as_a_page_transfer_over_the_veth(netbed, tiny_
     argv = [sys.executable, "-m", "tests.cluster.netbed_serve_driver", netbed.head_address,
             netbed.hosts[0].address, tiny_dir]
     with open(tmp_path / "driver.log", "w+") as log:
-        driver = netbed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = netbed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        driver = BedDriver(proc, log)
         try:
-            placed = _read(driver, log)
+            placed = driver.read()
             before = {h.index: netbed_net.link_bytes(h) for h in netbed.hosts}
-            driver.stdin.write("transfer\n")
-            driver.stdin.flush()
-            forced = _read(driver, log)
+            forced = driver.send("transfer")
             after = {h.index: netbed_net.link_bytes(h) for h in netbed.hosts}
             holder = by_address[placed["replicas"][placed["holder"]]]
-            fast = _next(driver, log)["fast"]
+            fast = driver.send("next")["fast"]
             netbed.slow_link(holder, SLOW_LINK_BIT)
             try:
-                slowed = _next(driver, log)
+                slowed = driver.send("next")
             finally:
                 netbed.restore_link(holder)
-            assert _next(driver, log, "stop") == {"stopped": True}
-            assert driver.wait(timeout=60) == 0
+            assert driver.send("stop") == {"stopped": True}
+            assert proc.wait(timeout=60) == 0
         finally:
-            driver.kill()
-            driver.wait()
+            proc.kill()
+            proc.wait()
     other = by_address[placed["replicas"][placed["other"]]]
     assert holder != other, placed  # one replica per host
     assert placed["frontdoor"] == placed["controller"] == placed["service"] == netbed.hosts[0].address, placed

@@ -29,6 +29,7 @@ import time
 import pytest
 
 from bench import netbed_net
+from bench.netbed_driver import BedDriver
 from tests.cluster import netbed_fixture
 from tests.cluster.node_loss_driver import NUM_PROMPTS
 
@@ -39,32 +40,13 @@ pytestmark = [pytest.mark.chaos, pytest.mark.heavy, pytest.mark.timeout(240)]
 BOUND_S = 30.0  # purge, replacement: bounds (the controller's health checks: ~3 s), not measurements
 
 
-class Driver:
-    def __init__(self, proc: subprocess.Popen, log) -> None:
-        self.proc, self.log = proc, log
-
-    def read(self) -> dict:
-        """The driver's next JSON line (Ray prints its own lines there too: a node's death)."""
-        while not (line := self.proc.stdout.readline()).startswith("{"):
-            if not line:
-                self.proc.wait(timeout=30)
-                self.log.seek(0)
-                raise AssertionError(f"the driver exited {self.proc.returncode}:\n{self.log.read()[-6000:]}")
-        return json.loads(line)
-
-    def ask(self, **msg) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-
 @pytest.fixture(scope="module")
 def driver(netbed, tiny_dir, tmp_path_factory):
     argv = [sys.executable, "-m", "tests.cluster.node_loss_driver", netbed.head_address,
             netbed.hosts[0].address, tiny_dir]
     with open(tmp_path_factory.mktemp("node_loss") / "driver.log", "w+") as log:
         proc = netbed.popen_in(0, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        d = Driver(proc, log)
+        d = BedDriver(proc, log)
         try:
             d.placed = d.read()["replicas"]
             yield d
@@ -78,7 +60,7 @@ def driver(netbed, tiny_dir, tmp_path_factory):
             proc.wait()
 
 
-def _lose_host(driver: Driver, wave: int, host, lose) -> tuple[dict, dict, list[str]]:
+def _lose_host(driver: BedDriver, wave: int, host, lose) -> tuple[dict, dict, list[str]]:
     """A wave of requests in flight (some on `host`), `lose(host)`; the wave's end, the purge, the replacements."""
     routed = driver.ask(wave=wave)
     victims = sorted(r for r, addr in routed["hosts"].items() if addr == host.address)
