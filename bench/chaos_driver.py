@@ -34,6 +34,7 @@ from pathlib import Path
 from bench.chaos_traffic import MAX_TOKENS, Traffic, cold_outputs, make_prompts
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
+from workers.transfer_channel import free_port
 
 CONFIG = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=64 * 2**20)
 DRIVER_FAULTS = ("kill_replica", "kill_tp_rank", "kill_cache_service", "kill_controller", "kill_frontdoor",
@@ -70,7 +71,7 @@ class Driver:
         self._server = serve_app(create_app(self.backend, Path(model_dir).name, tokenizer=load_tokenizer(model_dir)))
         url_a = self._server.__enter__()
         self.door_b: subprocess.Popen | None = None
-        self.port_b = _free_port()
+        self.port_b = free_port()
         self._start_door_b()
         self.prompts = make_prompts(seed)
         cold = cold_outputs(url_a, Path(model_dir).name, self.prompts)
@@ -196,14 +197,6 @@ class Driver:
         self._server.__exit__(None, None, None)
         self.backend.shutdown(stop_cluster=True)
         return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, timeout_s: float) -> bool:
