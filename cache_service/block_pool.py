@@ -21,6 +21,9 @@ nothing, is never freed, cached or evicted.
 Without a `keeps` hook (a model with no Mamba group, the `lru` policy) the spare queue stays
 empty and every cached block is evicted in LRU order. The hook's owner calls `reconsider` when
 its answer for a cached hash changes.
+
+With a host tier (`host`, `host_tier.py`) an evicted kept block is demoted there (its page copied
+before the block is reused) instead of dropped; a spare one is dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from cache_service.block_hash import BlockHash
 from cache_service.events import EventSink
+from cache_service.host_tier import HostTier
 
 
 class PoolExhaustedError(RuntimeError):
@@ -63,6 +67,7 @@ class BlockPool:
         self.cached: dict[BlockHash, CacheBlock] = {}
         self._num_free_empty = num_blocks - 1  # free blocks that hold no cached hash
         self.keeps: Callable[[BlockHash], bool] | None = None  # None: every cached block is kept
+        self.host: HostTier | None = None  # where evicted kept blocks go (None: dropped)
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -103,6 +108,8 @@ class BlockPool:
             queue = self._spare if self._spare and not self._num_free_empty else self._free
             _, block = queue.popitem(last=False)
             if block.block_hash is not None:
+                if self.host is not None and queue is self._free:
+                    self.host.demote(block.block_hash, block.block_id)
                 evicted.append(block.block_hash)
                 self._uncache(block)
             else:
@@ -175,11 +182,14 @@ class BlockPool:
         self.events.stored(self.group_id, (block_hash,))
         return True
 
-    def evict(self, block_hash: BlockHash) -> bool:
-        """Drop a cached hash whose block is free (tests, targeted invalidation)."""
+    def evict(self, block_hash: BlockHash, demote: bool = True) -> bool:
+        """Drop a cached hash whose block is free (an eviction policy's victim; tests). With a host
+        tier and `demote`, its page is copied there first."""
         block = self.cached.get(block_hash)
         if block is None or block.ref_cnt:
             return False
+        if demote and self.host is not None:
+            self.host.demote(block_hash, block.block_id)
         self._uncache(block)
         if self._spare.pop(block.block_id, None) is not None:
             self._free[block.block_id] = block
@@ -197,6 +207,8 @@ class BlockPool:
         for block in list(self.cached.values()):
             self._uncache(block)
         self._num_free_empty = len(self._free)
+        if self.host is not None:
+            self.host.clear()
         self.events.cleared(self.group_id)
         return True
 
@@ -227,6 +239,8 @@ class BlockPool:
                 "a spare block in the kept queue"
         else:
             assert not self._spare, "spare blocks without a keeps hook"
+        if self.host is not None:
+            self.host.check_integrity()
         cached = [b.block_hash is not None for b in self._free.values()]
         assert self._num_free_empty == cached.count(False), "count of empty free blocks wrong"
         assert cached == sorted(cached), "an empty free block waits behind a cached one (it must be reused first)"

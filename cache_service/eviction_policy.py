@@ -68,6 +68,10 @@ class CheckpointEviction(ABC):
     def victim(self, evictable: Evictable) -> BlockHash | None:
         """The state to evict now among those `evictable` says are free; None if none is."""
 
+    def position_of(self, key: BlockHash) -> int:
+        """The position of a tracked state (0: unknown; the host tier ranks a demoted state by it)."""
+        return getattr(self.known().get(key), "position", 0)
+
     def is_reused(self, key: BlockHash) -> bool:
         """Whether the retained state `key` has served a hit (a proven shared prefix)."""
         return False

@@ -31,8 +31,10 @@ from cache_service.block_pool import BlockPool, CacheBlock
 from cache_service.coordinator import EagleMode, HybridCoordinator
 from cache_service.eviction import EvictionConfig
 from cache_service.hit_finders import DropRule
+from cache_service.host_tier import HostBackend, HostTier
 from cache_service.kv_support import KvSupport
 from cache_service.mamba_manager import MambaManager
+from cache_service.promotion import host_only, promote_hit
 from cache_service.specs import DraftAttentionSpec, FullAttentionSpec, GroupSpec, MambaSpec, SlidingWindowSpec
 
 
@@ -90,6 +92,13 @@ class AttentionManager:
     def hit_blocks(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock | None]:
         """The cached blocks a hit of `hit_tokens` shares (None where not cached: `holds_hit`)."""
         return self._cached(hashes, 0, self.num_shared_blocks(hit_tokens))
+
+    def hit_keys(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
+        """The keys of every page a hit of `hit_tokens` restores: `hit_blocks`' and `copy_sources`'."""
+        return self._block_keys(hashes, 0, self.num_shared_blocks(hit_tokens)) + self._copy_keys(hashes, hit_tokens)
+
+    def _copy_keys(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
+        return []
 
     def _block_keys(self, hashes: RequestBlockHashes, first: int, end: int) -> list[BlockHash]:
         """Prefix keys of this group's blocks [first, end) (block j ends at (j + 1) * block_size)."""
@@ -167,9 +176,12 @@ class DraftAttentionManager(AttentionManager):
         return n - 1 if hit_tokens and self.lossless else n
 
     def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
+        return [self.pool.get_cached(key) for key in self._copy_keys(hashes, hit_tokens)]
+
+    def _copy_keys(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
         if not (hit_tokens and self.lossless):
             return []
-        return [self.pool.get_cached(hashes.prefix_hash(hit_tokens // self.block_size * self.block_size))]
+        return [hashes.prefix_hash(hit_tokens // self.block_size * self.block_size)]
 
     def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
         (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
@@ -191,6 +203,10 @@ class SlidingWindowManager(AttentionManager):
         size, first = self.block_size, self._first_live(hit_tokens)
         return [self.pool.null_block if j < first else self.pool.get_cached(hashes.prefix_hash((j + 1) * size))
                 for j in range(hit_tokens // size)]
+
+    def hit_keys(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
+        size = self.block_size
+        return [hashes.prefix_hash((j + 1) * size) for j in range(self._first_live(hit_tokens), hit_tokens // size)]
 
     def _first_live(self, num_positions: int) -> int:
         return max(0, num_positions - (self.spec.window - 1)) // self.block_size
@@ -225,10 +241,12 @@ class GroupManagers:
     one loop over the managers (check first, then act: nothing fails half-way)."""
 
     def __init__(self, coordinator: HybridCoordinator, pools: Sequence[BlockPool], backend: PageBackend | None = None,
-                 mamba_options: dict | None = None, eviction: EvictionConfig | None = None) -> None:
+                 mamba_options: dict | None = None, eviction: EvictionConfig | None = None,
+                 host_pages: Sequence[int] = (), host_backend: HostBackend | None = None) -> None:
         """`eviction`: the policy of every Mamba group's retained checkpoints (one object each);
         unless it is `lru`, attention blocks above every retained state of their prefix are
-        evicted first (`support`, `kv_support.py`)."""
+        evicted first (`support`, `kv_support.py`). `host_pages`: per group, the pages of its host
+        tier (`host_tier.py`; none, or 0: evicted pages are dropped), copied by `host_backend`."""
         backend = backend or NullPageBackend()
         eviction = eviction or EvictionConfig()
         self.coordinator = coordinator
@@ -241,45 +259,62 @@ class GroupManagers:
         for g, (spec, pool) in enumerate(zip(groups, pools)):
             cls = MANAGER_BY_KIND[type(spec)]
             extra = {}
+            num_host = host_pages[g] if g < len(host_pages) else 0
             if cls is MambaManager:
                 extra = dict(mamba_options or {})
                 extra["eviction"] = eviction.build(extra.get("page_size_bytes", 1))
                 extra["support"] = self.support
+            if num_host:
+                policy = eviction.build(extra.get("page_size_bytes", 1)) if cls is MambaManager else None
+                pool.host = HostTier(g, num_host, host_backend, policy)
             self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
+            if num_host and cls is MambaManager:
+                self.managers[-1].attach_host()
 
     def of_kind(self, kind: str) -> list:
         return [m for m in self.managers if m.spec.kind == kind]
 
     def holds_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> bool:
-        """Whether every page a hit of `hit_tokens` restores is cached now (the engine admits a
-        hit as it looks it up; a simulation that admits later checks first)."""
-        return all(None not in m.hit_blocks(hashes, hit_tokens) and None not in m.copy_sources(hashes, hit_tokens)
-                   for m in self.managers)
-
-    def pinned_by_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[int]:
-        """Per group: cached pages of the hit that are free now (pinning takes them off the free queue)."""
-        return [sum(1 for b in (*m.hit_blocks(hashes, hit_tokens), *m.copy_sources(hashes, hit_tokens))
-                    if b.ref_cnt == 0) for m in self.managers]
-
-    def can_admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int,
-                  spare_pages: int = 0) -> bool:
-        """Whether restoring the hit and growing to `num_positions` fits every pool."""
+        """Whether every page a hit of `hit_tokens` restores is cached now, on the device or its
+        host tier (the engine admits a hit as it looks it up; a simulation that admits later
+        checks first)."""
         for m in self.managers:
-            shared = m.hit_blocks(hashes, hit_tokens)
-            pin = sum(1 for b in (*shared, *m.copy_sources(hashes, hit_tokens)) if b.ref_cnt == 0)
-            need = m.num_blocks_needed(request_id, num_positions) - len(shared)
-            if isinstance(m, MambaManager):
-                need = m.num_blocks_needed(request_id, num_positions) + spare_pages
-            if not m.pool.can_allocate(max(0, need) + pin):
+            cached, host = m.pool.cached, m.pool.host
+            if not all(k in cached or (host is not None and k in host) for k in m.hit_keys(hashes, hit_tokens)):
                 return False
         return True
 
-    def admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int) -> None:
+    def pinned_by_hit(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[int]:
+        """Per group: device pages of the hit that are free now (pinning takes them off the free queue)."""
+        return [sum(1 for b in (*m.hit_blocks(hashes, hit_tokens), *m.copy_sources(hashes, hit_tokens))
+                    if b is not None and b.ref_cnt == 0) for m in self.managers]
+
+    def can_admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int, num_positions: int,
+                  spare_pages: int = 0) -> bool:
+        """Whether restoring the hit (promoting its host-only pages) and growing to
+        `num_positions` fits every pool."""
+        for m in self.managers:
+            shared = m.hit_blocks(hashes, hit_tokens)
+            pin = sum(1 for b in (*shared, *m.copy_sources(hashes, hit_tokens)) if b is not None and b.ref_cnt == 0)
+            need = m.num_blocks_needed(request_id, num_positions) - len(shared)
+            if isinstance(m, MambaManager):
+                need = m.num_blocks_needed(request_id, num_positions) + spare_pages
+            if not m.pool.can_allocate(max(0, need) + pin + len(host_only(m, hashes, hit_tokens))):
+                return False
+        return True
+
+    def admit(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int,
+              num_positions: int) -> tuple[int, ...]:
+        """Restore the hit and take pages up to `num_positions`; returns the pages promoted from
+        the host tier per group (`promotion.py`)."""
+        promotion = promote_hit(self.managers, hashes, hit_tokens)
         # every hit page is pinned before any allocation may recycle free cached pages
         for m in sorted(self.managers, key=lambda m: isinstance(m, MambaManager)):
             m.restore(request_id, hashes, hit_tokens)
+        promotion.release()
         for m in self.managers:
             m.grow(request_id, num_positions)
+        return tuple(promotion.num_pages)
 
     def can_grow(self, request_id: str, num_positions: int, decoding: bool = False) -> bool:
         return all(m.pool.can_allocate(m.num_blocks_needed(request_id, num_positions, decoding))

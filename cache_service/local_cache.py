@@ -21,13 +21,15 @@ from cache_service.prefill import StoreResult, run_prefill
 
 
 class PoolLookup:
-    """`CacheLookup` over a replica's block pools (read-only: no LRU touch)."""
+    """`CacheLookup` over a replica's block pools and their host tiers (read-only: no LRU touch;
+    a host page counts as cached: admission promotes it)."""
 
     def __init__(self, pools: Sequence[BlockPool]) -> None:
         self.pools = pools
 
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:
-        return block_hash in self.pools[group_id].cached
+        pool = self.pools[group_id]
+        return block_hash in pool.cached or (pool.host is not None and block_hash in pool.host)
 
 
 class LocalPrefixCache:
@@ -39,9 +41,11 @@ class LocalPrefixCache:
         eviction: EvictionConfig | None = None,
         state_page_bytes: int = 1,
         max_retained_pages: int | None = None,
+        host_pages: Sequence[int] = (),
     ) -> None:
-        """`eviction`, `state_page_bytes` (one Mamba state page) and `max_retained_pages` (the
-        checkpoint budget; None: the pool's size) as the engine's managers get them."""
+        """`eviction`, `state_page_bytes` (one Mamba state page), `max_retained_pages` (the
+        checkpoint budget; None: the pool's size) and `host_pages` (per group, its host tier's
+        pages; none: no host tier) as the engine's managers get them."""
         layout = coordinator.layout
         if len(num_blocks_per_group) != len(layout.groups):
             raise ValueError("one pool size per group is needed")
@@ -51,7 +55,7 @@ class LocalPrefixCache:
         self.lookup_view = PoolLookup(self.pools)
         self.groups = GroupManagers(coordinator, self.pools, mamba_options={
             "page_size_bytes": state_page_bytes, "max_retained_pages": max_retained_pages},
-                                    eviction=eviction)
+                                    eviction=eviction, host_pages=host_pages)
 
     def lookup(self, hashes: RequestBlockHashes, num_prompt_tokens: int) -> HitResult:
         return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.lookup_view)

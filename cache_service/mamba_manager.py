@@ -57,7 +57,11 @@ class MambaManager:
         return []  # nothing is shared: the state is copied into the request's working page
 
     def copy_sources(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[CacheBlock]:
-        return [self.pool.get_cached(hashes.prefix_hash(hit_tokens))] if hit_tokens else []
+        return [self.pool.get_cached(key) for key in self.hit_keys(hashes, hit_tokens)]
+
+    def hit_keys(self, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
+        """The key of the state a hit of `hit_tokens` restores (none for no hit)."""
+        return [hashes.prefix_hash(hit_tokens)] if hit_tokens else []
 
     @property
     def num_decode_pages(self) -> int:
@@ -71,6 +75,8 @@ class MambaManager:
 
     def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
         self.eviction.tick()
+        if self.pool.host is not None:
+            self.pool.host.tick()
         (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
         if src is not None:
             self.pool.touch([src])  # pinned: allocating the working page must not recycle it
@@ -194,8 +200,7 @@ class MambaManager:
         if len(known) != len(cached):  # O(1) unless something changed behind the policy's back
             for key in known.keys() - cached.keys():
                 self.eviction.removed(key)
-                if self.support is not None:
-                    self.support.removed(self.group_id, key)
+                self._left_device(key)
             for key in cached.keys() - known.keys():
                 self.eviction.stored(key, 0, 0)
                 if self.support is not None:
@@ -203,11 +208,27 @@ class MambaManager:
 
     def _evict(self, block: CacheBlock) -> None:
         key = block.block_hash
-        self.pool.evict(key)
+        self.pool.evict(key)  # demoted to the host tier, when there is one and it takes it
         self.eviction.removed(key)
-        if self.support is not None:
-            self.support.removed(self.group_id, key)
+        self._left_device(key)
         self.num_evictions += 1
+
+    def _left_device(self, key: BlockHash) -> None:
+        """A state left the device pool: the KV it makes usable stays kept while the host holds it."""
+        if self.support is not None and (self.pool.host is None or key not in self.pool.host):
+            self.support.removed(self.group_id, key)
+
+    def attach_host(self) -> None:
+        """The pool's host tier ranks demoted states by their device position and releases their
+        KV support when it drops them (unless the device holds them again)."""
+        host = self.pool.host
+        host.position_of = self.eviction.position_of
+
+        def dropped(key: BlockHash) -> None:
+            if self.support is not None and key not in self.pool.cached:
+                self.support.removed(self.group_id, key)
+
+        host.on_dropped = dropped
 
     def _num_free_uncached(self) -> int:
         return self.pool.num_free_empty_blocks

@@ -29,6 +29,7 @@ from cache_service.lifecycle import settle
 class StoreResult(NamedTuple):
     admitted: bool  # False: the pools could not hold the whole prompt at once; nothing was stored
     num_stored_blocks: tuple[int, ...]  # per group: blocks newly cached (Mamba: snapshots taken)
+    num_promoted_pages: tuple[int, ...] = ()  # per group: pages of the hit copied back from the host tier
 
 
 def run_prefill(groups: GroupManagers, request_id: str, hashes: RequestBlockHashes, hit_tokens: int,
@@ -41,14 +42,14 @@ def run_prefill(groups: GroupManagers, request_id: str, hashes: RequestBlockHash
     the prompt plus one spare Mamba page for a snapshot, as the engine's admission asks;
     without it nothing is stored (the engine would wait or preempt)."""
     if not groups.can_admit(request_id, hashes, hit_tokens, num_tokens, spare_pages=1):
-        return StoreResult(False, (0,) * len(groups.managers))
+        return StoreResult(False, (0,) * len(groups.managers), (0,) * len(groups.managers))
     marks = set(checkpoints)
     stops = sorted({c for c in marks if hit_tokens < c < num_tokens} | {num_tokens})
-    groups.admit(request_id, hashes, hit_tokens, stops[0])
+    promoted = groups.admit(request_id, hashes, hit_tokens, stops[0])
     stored = [0] * len(groups.managers)
     for end in stops:
         groups.grow(request_id, end)
         now = settle(groups, request_id, hashes, [end] * len(groups.managers), checkpoints,
                      working_state_at=end if end in marks else None, free=end == num_tokens, periodic=periodic)
         stored = [a + b for a, b in zip(stored, now)]
-    return StoreResult(True, tuple(stored))
+    return StoreResult(True, tuple(stored), promoted)

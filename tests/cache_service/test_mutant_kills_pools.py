@@ -53,10 +53,10 @@ def test_the_local_cache_needs_one_size_per_group_and_publishes_events():
     cache = LocalPrefixCache(coord, [40, 8])
     assert isinstance(cache.events, EventSink) and cache.events.enabled
     hashes = RequestBlockHashes(16, make_tokens(300, 1, 50))
-    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (18, 1))
+    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (18, 1), (0, 0))
     assert len(cache.events.drain()) == 18 + 1  # one stored event per block and page, nothing evicted
     # a second, cold copy of the prompt: its blocks stay private (first copy wins), no events
-    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (0, 0))
+    assert cache.store_prefix(hashes, 300, (256,)) == StoreResult(True, (0, 0), (0, 0))
     assert cache.events.drain() == []
     cache.check_integrity()
 
@@ -67,12 +67,12 @@ def test_store_prefix_stores_nothing_when_the_prompt_does_not_fit_at_once():
     coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.OFF)
     hashes = RequestBlockHashes(16, make_tokens(300, 2, 50))
     one_page = LocalPrefixCache(coord, [40, 2])  # the mamba pool: the null block and one page
-    assert one_page.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0))
+    assert one_page.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0), (0, 0))
     short = LocalPrefixCache(coord, [19, 3])  # 18 usable blocks for 19 (the last one partial)
-    assert short.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0))
+    assert short.store_prefix(hashes, 300, (256,)) == StoreResult(False, (0, 0), (0, 0))
     assert [p.num_cached_blocks for p in (*one_page.pools, *short.pools)] == [0, 0, 0, 0]
     fits = LocalPrefixCache(coord, [20, 3])
-    assert fits.store_prefix(hashes, 300, (64, 128, 256)) == StoreResult(True, (18, 3))
+    assert fits.store_prefix(hashes, 300, (64, 128, 256)) == StoreResult(True, (18, 3), (0, 0))
     # two usable pages: the working state and one retained snapshot, the most valuable (256)
     assert set(fits.pools[1].cached) == {hashes.prefix_hash(256)}
 

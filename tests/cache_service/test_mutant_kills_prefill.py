@@ -18,7 +18,7 @@ HASHES = RequestBlockHashes(16, make_tokens(300, 3, 1000))
 def warm_prefill(checkpoints):
     """A prefill of 256 tokens over a cached hit of 64; what it leaves in the cache."""
     cache = LocalPrefixCache(COORD, [40, 8])
-    assert cache.store_prefix(HASHES, 64, (64,)) == StoreResult(True, (4, 1))
+    assert cache.store_prefix(HASHES, 64, (64,)) == StoreResult(True, (4, 1), (0, 0))
     result = cache.store_prefix(HASHES, 256, checkpoints, hit_tokens=64)
     mamba = cache.groups.managers[1]
     return result, mamba.eviction.now, dict(mamba.eviction.known()), [set(p.cached) for p in cache.pools]
@@ -46,6 +46,6 @@ def test_each_snapshot_copies_the_working_state_of_the_request():
     # request's working page holds after each chunk, not some other page
     backend = WorkingPageCheck()
     backend.groups = GroupManagers(COORD, [BlockPool(40, 0), BlockPool(8, 1)], backend)
-    assert run_prefill(backend.groups, "r", HASHES, 0, 256, (64, 128, 256)) == StoreResult(True, (16, 3))
+    assert run_prefill(backend.groups, "r", HASHES, 0, 256, (64, 128, 256)) == StoreResult(True, (16, 3), (0, 0))
     assert len(backend.copies) == 3
     assert all(src == working and dst != working for src, dst, working in backend.copies)

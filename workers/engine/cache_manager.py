@@ -32,6 +32,7 @@ from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, DraftAttentionSpec, FullAttentionSpec, MambaSpec
 from workers.engine.block_tables import BlockTables
 from workers.engine.config import EngineConfig
+from workers.engine.host_pages import HostPages
 from workers.engine.request import Request
 
 
@@ -63,7 +64,11 @@ class EngineCacheManager:
         speculative: bool,
         events: EventSink | None = None,
         state_page_bytes: int = 1,
+        num_host_kv_blocks: int = 0,
+        num_host_state_pages: int = 0,
     ) -> None:
+        """`num_host_kv_blocks` / `num_host_state_pages`: the host tier's pages (`host_pages.py`;
+        0: none) for each KV group (target and draft) and for the Mamba group."""
         self.config = config
         self.caches = caches
         self.speculative = speculative
@@ -82,9 +87,17 @@ class EngineCacheManager:
         self.evicted = RecentlyEvicted(self.layout, capacity=4 * num_state_slots)
         self.events.taps.append(self.evicted)
         budget = int(config.cache_memory_bytes * config.checkpoint_memory_fraction) // max(1, state_page_bytes)
+        # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
+        self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
+        host = {"full": num_host_kv_blocks, "mamba": num_host_state_pages, "draft": num_host_kv_blocks}
+        host_pages = tuple(host[spec.kind] for spec in groups)
+        eagle_lossless = eagle is EagleMode.LOSSLESS
+        self.host_pages = (HostPages(caches, self.layout, host_pages, self.sidecar if eagle_lossless else None)
+                           if any(host_pages) else None)
         self.groups = GroupManagers(self.coordinator, self.pools, ModelPageBackend(caches, self.layout), {
             "num_verify_pages": self.num_spec_tokens + 1 if speculative else 0,
-            "max_retained_pages": budget, "page_size_bytes": state_page_bytes}, EvictionConfig(config.eviction))
+            "max_retained_pages": budget, "page_size_bytes": state_page_bytes}, EvictionConfig(config.eviction),
+            host_pages=host_pages, host_backend=self.host_pages)
         (self.full,) = self.groups.of_kind("full")
         (self.mamba,) = self.groups.of_kind("mamba")
         self.draft = self.groups.of_kind("draft")[0] if speculative else None
@@ -97,8 +110,6 @@ class EngineCacheManager:
         # per group: whether its content runs to num_draft_computed_tokens (else num_computed_tokens)
         self._is_draft = tuple(spec.kind == "draft" for spec in self.layout.groups)
         self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
-        # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
-        self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
         # only lossless EAGLE reads it (a hit's draft KV at L-1 is recomputed from it): without speculation,
         # or with the drop rule, recording it is a copy per completed block for nothing
         self.keeps_sidecar = eagle is EagleMode.LOSSLESS
@@ -156,11 +167,12 @@ class EngineCacheManager:
         if not req.num_preemptions:  # classified before admitting: taking pages may evict what the probes read
             reason = classify_miss(self.coordinator, probes, hit, self.evicted)
             req.cache_report = LookupReport.of(req.num_prompt_tokens, hit, probes, reason)
-        self.groups.admit(rid, req.hashes, length, positions)
+        promoted = self.groups.admit(rid, req.hashes, length, positions)
         self._covered.pop(rid, None)
         req.num_restored_tokens = req.num_computed_tokens = length
         if not req.num_preemptions:
             req.num_cached_tokens = length
+            req.num_host_cached_tokens = length if any(promoted) else 0
         draft_start = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_draft_computed_tokens = draft_start
         req.junctions = self.coordinator.junctions(hit)
@@ -280,7 +292,16 @@ class EngineCacheManager:
         m: MambaManager = self.mamba
         return {"num_retained_checkpoints": m.num_retained, "retained_checkpoint_bytes": m.num_retained_bytes,
                 "max_retained_checkpoint_bytes": (m.max_retained_pages or 0) * m.page_size_bytes,
-                "num_checkpoint_evictions": m.num_evictions, "num_snapshots_skipped": m.num_snapshots_skipped}
+                "num_checkpoint_evictions": m.num_evictions, "num_snapshots_skipped": m.num_snapshots_skipped,
+                **self.host_stats()}
+
+    def host_stats(self) -> dict[str, int]:
+        """The host tier's pages held, copied each way and dropped, over every group (zeros without one)."""
+        tiers = [p.host for p in self.pools if p.host is not None]
+        return {"num_host_pages": sum(len(t) for t in tiers),
+                "num_host_demoted_pages": sum(t.num_demoted for t in tiers),
+                "num_host_promoted_pages": sum(t.num_promoted for t in tiers),
+                "num_host_dropped_pages": sum(t.num_dropped for t in tiers)}
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a pool invariant is broken, a request's remembered cover

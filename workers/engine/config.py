@@ -17,6 +17,9 @@ class EngineConfig:
     mamba_block_size: int = 64  # Mamba checkpoint granularity; alignment = lcm with kv_block_size
     cache_memory_bytes: int = 256 * 2**20  # KV + draft KV + Mamba state pools together
     mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
+    # host tier (cache_service/host_tier.py): bytes of host memory for pages the device evicts, split
+    # between KV and Mamba pages as the device budget is; 0: evicted pages are dropped
+    host_cache_bytes: int = 0
     max_num_seqs: int = 8
     chunk_size: int = 512  # prefill chunks end on multiples of this (and at checkpoints)
     # tokens per step, decodes first, then prefill chunks; None: max(2048, max(chunk_size, A) +
@@ -51,6 +54,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
+            raise EngineConfigError(f"host_cache_bytes must be a non-negative integer, got {self.host_cache_bytes!r}")
         if not isinstance(self.num_spec_tokens, int) or not 0 <= self.num_spec_tokens <= 16:
             raise EngineConfigError(f"num_spec_tokens must be an integer in 0..16, got {self.num_spec_tokens!r}")
         if self.max_num_batched_tokens is not None and (

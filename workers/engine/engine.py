@@ -57,9 +57,11 @@ class LLMEngine:
             num_draft_blocks=num_kv_blocks + graphs if self.speculative else 0,
             draft_block_size=config.kv_block_size if self.speculative else None,
         )
+        num_host_blocks, num_host_pages = size_host_pools(model, config, self.speculative)
         self.cache = EngineCacheManager(
             config, self.caches, num_kv_blocks, num_slots, mconf.hidden_size, self.speculative, events,
-            state_page_bytes=model.state_bytes_per_slot(),
+            state_page_bytes=model.state_bytes_per_slot(), num_host_kv_blocks=num_host_blocks,
+            num_host_state_pages=num_host_pages,
         )
         self.scheduler = Scheduler(config, self.cache)
         self.decode_graphs = None
@@ -81,9 +83,10 @@ class LLMEngine:
         self.pending_drafts = PendingDrafts()  # the MTP drafts of the last step, still on the device
         self.num_computed_prompt_tokens = 0  # all requests' prompt tokens sent through the forward
         log.info(
-            "engine: %d KV blocks x %d tokens, %d state pages, alignment %d, speculation %s (%s)",
+            "engine: %d KV blocks x %d tokens, %d state pages, alignment %d, speculation %s (%s), "
+            "host tier %d KV blocks + %d state pages",
             num_kv_blocks, config.kv_block_size, num_slots, self.cache.alignment,
-            config.num_spec_tokens if self.speculative else 0, config.eagle_mode.value,
+            config.num_spec_tokens if self.speculative else 0, config.eagle_mode.value, num_host_blocks, num_host_pages,
         )
 
     @classmethod
@@ -232,6 +235,27 @@ def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int
             f"one max_model_len request needs {need_blocks} blocks and {need_slots} pages"
         )
     return num_blocks, num_slots
+
+
+def _page_bytes(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
+    kv_bytes = model.kv_bytes_per_block(config.kv_block_size)
+    if speculative:
+        kv_bytes += model.draft_kv_bytes_per_block(config.kv_block_size)
+    return max(1, kv_bytes), max(1, model.state_bytes_per_slot())
+
+
+def size_host_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
+    """(host KV blocks, host state pages) of `config.host_cache_bytes`, split as the device budget is."""
+    if not config.host_cache_bytes:
+        return 0, 0
+    kv_bytes, state_bytes = _page_bytes(model, config, speculative)
+    budget = config.host_cache_bytes
+    num_pages = int(budget * config.mamba_memory_fraction) // state_bytes
+    num_blocks = int(budget * (1 - config.mamba_memory_fraction)) // kv_bytes
+    if not num_blocks or not num_pages:
+        raise EngineConfigError(f"host_cache_bytes={budget} gives {num_blocks} KV blocks and {num_pages} state "
+                                f"pages on the host; at least one of each is needed (or 0 for no host tier)")
+    return num_blocks, num_pages
 
 
 __all__ = ["LLMEngine", "EagleMode", "size_pools"]

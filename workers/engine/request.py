@@ -40,6 +40,8 @@ class Request:
     num_draft_computed_tokens: int = 0  # draft KV valid (true inputs) for [0, n)
     num_cached_tokens: int = 0  # the prefix hit at the first admission (what the client is told)
     num_restored_tokens: int = 0  # the prefix hit at the latest admission (differs after a preemption)
+    # of num_cached_tokens: those whose hit copied some page back from the host tier (0: all on the device)
+    num_host_cached_tokens: int = 0
     cache_report: LookupReport | None = None  # the first admission's lookup and its miss reason
     num_prefill_tokens: int = 0  # prefill runs to here: the prompt, or every known token after a preemption
     # prompt tokens sent through the target model's forward (prefill chunks; a recomputation after
@@ -109,6 +111,7 @@ class RequestOutput:
     num_preemptions: int = 0  # times the engine gave its pages back and recomputed it
     # the first admission's lookup (`cache_service.miss_reasons`): what `explain` shows for this request
     cache_report: LookupReport | None = None
+    num_host_cached_tokens: int = 0  # of num_cached_tokens: a hit that promoted pages from the host tier
 
     @classmethod
     def of(cls, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -121,4 +124,5 @@ class RequestOutput:
             req.num_computed_prompt_tokens,
             req.num_preemptions,
             req.cache_report,
+            req.num_host_cached_tokens,
         )

@@ -1,0 +1,69 @@
+"""Promotion: the pages of a hit that only the host tier holds, copied back to the device before
+the hit is restored (`GroupManagers.admit`; the engine and every simulation alike).
+
+    1. pin      the hit's device pages (touch) and its host-only keys (HostTier.pin), so that
+                the pages taken next cannot evict either
+    2. promote  per host-only key: a fresh device page (its eviction may demote another page),
+                the host page copied into it, cached under the key again
+    3. restore  the managers restore the hit as if every page had been on the device
+    4. release  the pins of step 1 (`Promotion.release`)
+
+`host_only` answers the check-then-act question: how many extra device pages admitting a hit
+takes, per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cache_service.block_hash import BlockHash, RequestBlockHashes
+from cache_service.block_pool import CacheBlock
+
+
+def host_only(manager, hashes: RequestBlockHashes, hit_tokens: int) -> list[BlockHash]:
+    """The keys of a hit's pages that group `manager` holds on its host tier only."""
+    host = manager.pool.host
+    if host is None or not hit_tokens:
+        return []
+    cached = manager.pool.cached
+    return list(dict.fromkeys(k for k in manager.hit_keys(hashes, hit_tokens) if k not in cached and k in host))
+
+
+@dataclass
+class Promotion:
+    """What one admission promoted: pages per group, and the pins to release once restored."""
+
+    num_pages: list[int]
+    pins: list[tuple[object, list[CacheBlock]]] = field(default_factory=list)
+
+    def release(self) -> None:
+        for manager, blocks in self.pins:
+            manager.pool.free(blocks)
+        self.pins = []
+
+
+def promote_hit(managers: Sequence, hashes: RequestBlockHashes, hit_tokens: int) -> Promotion:
+    """Steps 1-2 of the module doc. The caller checked the room (`host_only` pages per group on
+    top of what the hit needs without a host tier)."""
+    result = Promotion([0] * len(managers))
+    plans = []
+    for g, m in enumerate(managers):
+        missing = host_only(m, hashes, hit_tokens)
+        if not missing:
+            continue
+        cached = m.pool.cached
+        present = list(dict.fromkeys(cached[k] for k in m.hit_keys(hashes, hit_tokens) if k in cached))
+        m.pool.touch(present)
+        m.pool.host.pin(missing)
+        plans.append((g, m, present, missing))
+    for g, m, present, missing in plans:
+        for key in missing:
+            (block,) = m.pool.allocate(1)
+            m.pool.host.promote(key, block.block_id, hit_tokens)
+            m.pool.cache_block(block, key)
+            present.append(block)
+        m.pool.host.unpin()
+        result.num_pages[g] = len(missing)
+        result.pins.append((m, present))
+    return result
