@@ -6,7 +6,7 @@ routed by the real `GlobalIndex` + `Router`, with a simple prefill/decode cost m
     hashing.py   block hashes of trace requests, memoised per (parent hash, block id)
     config.py    layouts (group specs + page bytes) and cost models from configs/sim/*.yaml
     calibrate.py a cost model from a bench.engine report
-    replica.py   one simulated replica: its cache and its event feed into the global index
+    replica.py   one simulated replica: its cache (and host tier) and its event feed into the global index
     prefill_queue.py  a replica's compute in simulated time and the load it reports
     policies.py  routing policies (the real Router plus power_of_two, Ray Serve affinity, oracle)
     engine.py    the simulated-time loop and per-request records

@@ -2,7 +2,8 @@
 
     hybridserve simulate --trace bench/traces/mooncake_synthetic_trace.jsonl.gz --replicas 16 \
         --layout nemotron-nano-9b-v2 --policy hybrid --retention latest --eagle off \
-        --out runs/sim-hybrid.json [--parquet runs/sim-hybrid.parquet] [--plot runs/sim.png]
+        --out runs/sim-hybrid.json [--parquet runs/sim-hybrid.parquet] [--plot runs/sim.png] \
+        [--host-memory-gib 80]   # a host tier under each replica's pools (promotions priced in TTFT)
 
 Writes a summary JSON (and per-request Parquet with --parquet); `--policy all` runs every policy
 on the same trace and adds each one's hit tokens as a ratio of the oracle's.
@@ -20,7 +21,7 @@ from pathlib import Path
 from cache_service.eviction import EVICTION_NAMES, EvictionConfig
 from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
-from cache_service.trace_sim.config import SimConfigError, load_cost_model, load_layout
+from cache_service.trace_sim.config import SimConfigError, SimLayout, load_cost_model, load_layout
 from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
 from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.summary import summarize
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-share", type=float, default=None,
                    help="instead of --memory-gib: the cluster's cache memory as this share of the trace's "
                         "working set (working_set.py), split over the replicas")
+    p.add_argument("--host-memory-gib", type=float, default=0.0,
+                   help="host-tier memory per replica (pages the device evicts; 0: no host tier), "
+                        "split between KV and state as the device memory is")
+    p.add_argument("--host-memory-share", type=float, default=None,
+                   help="instead of --host-memory-gib: the cluster's host memory as this share of the "
+                        "trace's working set, split over the replicas")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -64,17 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def budgets(args: argparse.Namespace, requests: list, layout: SimLayout) -> tuple[int, int]:
+    """(device, host) cache bytes per replica: GiB, or shares of the working set over R replicas."""
+    def per_replica(gib: float, share: float | None, flag: str) -> int:
+        if share is None:
+            return int(gib * 2**30)
+        if not share > 0:
+            raise ValueError(f"{flag} must be positive, got {share}")
+        return int(share * working_set_bytes(requests, layout) / args.replicas)
+
+    return (per_replica(args.memory_gib, args.memory_share, "--memory-share"),
+            per_replica(args.host_memory_gib, args.host_memory_share, "--host-memory-share"))
+
+
 def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list) -> tuple[dict, list[dict]]:
     layout = load_layout(args.layout)
-    budget = int(args.memory_gib * 2**30)
-    if args.memory_share is not None:
-        if not args.memory_share > 0:
-            raise ValueError(f"--memory-share must be positive, got {args.memory_share}")
-        budget = int(args.memory_share * working_set_bytes(requests, layout) / args.replicas)
+    budget, host = budgets(args, requests, layout)
     settings = SimSettings(
         layout=layout, cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
         policy=policy, budget_bytes=budget, retention=args.retention, eviction=eviction, eagle=args.eagle,
-        mamba_fraction=args.mamba_fraction, seed=args.seed, router=RouterConfig(junction_credit=args.junction_credit))
+        mamba_fraction=args.mamba_fraction, host_bytes=host, seed=args.seed,
+        router=RouterConfig(junction_credit=args.junction_credit))
     alpha_scores = None
     if eviction == "marconi":  # no alpha given: tuned on the trace's first 10%, as the paper does
         alpha, alpha_scores = tune_marconi_alpha(settings, requests)
@@ -93,6 +110,8 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
     summary = summarize(sim, records, wall)
     if args.memory_share is not None:
         summary["memory_share"] = args.memory_share
+    if args.host_memory_share is not None:
+        summary["host_memory_share"] = args.host_memory_share
     if alpha_scores is not None:
         summary["marconi_alpha_hit_rates"] = {str(a): v for a, v in alpha_scores.items()}
     summary["time_scale"] = args.time_scale

@@ -25,9 +25,9 @@ class SimLayout:
     # context length at which attention's quadratic FLOPs equal the linear ones (eviction.py)
     attention_crossover_tokens: float = float("inf")
 
-    def pool_blocks(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
-        """Blocks per group for a replica with `budget_bytes` of cache memory: attention groups
-        share (1 - mamba_fraction) with one block each per token range; state groups the rest."""
+    def _split(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
+        """Pages per group from `budget_bytes`: attention groups share (1 - mamba_fraction) with one
+        page each per token range; state groups the rest (all of it to attention without states)."""
         groups = self.layout.groups
         attn = [i for i, g in enumerate(groups) if g.is_attention]
         state = [i for i, g in enumerate(groups) if not g.is_attention]
@@ -35,11 +35,28 @@ class SimLayout:
         state_bytes = budget_bytes - attn_bytes
         num_attn = int(attn_bytes // sum(self.page_bytes[i] for i in attn)) if attn else 0
         num_state = int(state_bytes // sum(self.page_bytes[i] for i in state)) if state else 0
-        out = tuple(num_attn if g.is_attention else num_state for g in groups)
+        return tuple(num_attn if g.is_attention else num_state for g in groups)
+
+    def pool_blocks(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
+        """Blocks per group for a replica with `budget_bytes` of device cache memory (`_split`)."""
+        out = self._split(budget_bytes, mamba_fraction)
         if min(out) < 2:
             raise SimConfigError(
                 f"layout {self.name}: {budget_bytes} bytes with mamba_fraction {mamba_fraction} "
                 f"gives {out} blocks per group; every group needs at least 2"
+            )
+        return out
+
+    def host_pages(self, host_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
+        """Host-tier pages per group for `host_bytes` of host memory, split as the device budget
+        is (`_split`); () for 0 bytes (no host tier)."""
+        if host_bytes == 0:
+            return ()
+        out = self._split(host_bytes, mamba_fraction)
+        if min(out) < 1:
+            raise SimConfigError(
+                f"layout {self.name}: {host_bytes} bytes of host memory with mamba_fraction {mamba_fraction} "
+                f"gives {out} host pages per group; every group needs at least 1 (or 0 bytes: no host tier)"
             )
         return out
 
@@ -51,12 +68,22 @@ class CostModel:
     prefill_overhead_s: float
     decode_step_s: float
     transfer_bytes_per_s: float
+    # host tier -> device copies (promotion); None: not in the YAML, so no host tier can be simulated
+    host_to_device_bytes_per_s: float | None = None
 
     def prefill_s(self, num_tokens: int) -> float:
         return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
 
     def decode_s(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_step_s
+
+    def promote_s(self, num_bytes: int) -> float:
+        """Seconds to copy `num_bytes` of host-tier pages back to the device."""
+        if not num_bytes:
+            return 0.0
+        if self.host_to_device_bytes_per_s is None:
+            raise SimConfigError(f"cost model {self.name!r} has no host_to_device_bytes_per_s")
+        return num_bytes / self.host_to_device_bytes_per_s
 
 
 def _read(path: Path) -> dict:
@@ -99,9 +126,15 @@ def load_cost_model(name: str, path: Path | None = None) -> CostModel:
     fields = ("prefill_tokens_per_s", "prefill_overhead_s", "decode_step_s", "transfer_bytes_per_s")
     try:
         values = {f: float(entry[f]) for f in fields}
-    except (KeyError, TypeError, ValueError) as exc:
+        # optional: files written before the host tier still load; a host-tier run then refuses
+        # them (SimSettings) instead of assuming a bandwidth
+        if entry.get("host_to_device_bytes_per_s") is not None:
+            values["host_to_device_bytes_per_s"] = float(entry["host_to_device_bytes_per_s"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SimConfigError(f"{path}: cost model {name!r}: missing or bad field {exc}") from None
-    if values["prefill_tokens_per_s"] <= 0 or values["transfer_bytes_per_s"] <= 0:
+    throughputs = [values[f] for f in ("prefill_tokens_per_s", "transfer_bytes_per_s", "host_to_device_bytes_per_s")
+                   if f in values]
+    if any(v <= 0 for v in throughputs):
         raise SimConfigError(f"{path}: cost model {name!r}: throughputs must be positive")
     if values["prefill_overhead_s"] < 0 or values["decode_step_s"] < 0:
         raise SimConfigError(f"{path}: cost model {name!r}: times must be >= 0")

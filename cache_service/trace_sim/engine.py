@@ -6,8 +6,16 @@ and snapshots (retention + junctions) when that prefill ends.
     publish every prefill that finished by now      (group managers -> events -> global index)
     choice  = policy(hashes, queues, now)           (the real Router for hybrid & co.)
     [transfer holder -> choice: pages stored on the destination, time added to its prefill]
-    hit     = coordinator over the replica's pools  (the same code a worker runs)
-    TTFT    = queue wait + prefill(N - hit) [+ transfer];  finish = TTFT + decode(output)
+    hit     = coordinator over the replica's pools  (the same code a worker runs; host-tier
+              pages count as cached)
+    promote = the hit's host-only pages x page bytes / host_to_device_bytes_per_s (with a
+              transfer: also the source's host-only pages of what it sends)
+    TTFT    = queue wait + prefill(N - hit) [+ transfer] [+ promote];  finish = TTFT + decode(output)
+
+The promotion copy is priced when the request is served (its hit is read then) and runs in the
+replica's queue ahead of its prefill, as a transfer does: the prefill reads the promoted pages.
+(The pages themselves are promoted when the prefill's admission runs, at publication; a page
+demoted or promoted by another request in between is not re-priced.)
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class SimSettings:
     eviction: str = "value"  # of retained Mamba states: value | lru | marconi[:ALPHA] (eviction.py)
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
+    host_bytes: int = 0  # host-tier memory per replica, split as budget_bytes is (0: no host tier)
     seed: int = 0
     router: RouterConfig = RouterConfig()  # the live defaults (junction credit included)
 
@@ -54,6 +63,12 @@ class SimSettings:
             raise ValueError(f"--mamba-fraction must be in (0, 1), got {self.mamba_fraction}")
         if self.budget_bytes <= 0:
             raise ValueError("--memory-gib must be positive")
+        if self.host_bytes < 0:
+            raise ValueError(f"--host-memory-gib must be >= 0, got {self.host_bytes} bytes")
+        if self.host_bytes and self.cost.host_to_device_bytes_per_s is None:
+            raise ValueError(f"cost model {self.cost.name!r} has no host_to_device_bytes_per_s: "
+                             "add it (configs/sim/cost.yaml) to simulate a host tier")
+        self.layout.host_pages(self.host_bytes, self.mamba_fraction)  # raises when too small
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,8 @@ class RequestRecord:
     transfer_tokens: int
     ttft_s: float
     finish_s: float
+    host_hit_tokens: int = 0  # the hit's tokens when it promoted any page from the host tier
+    promoted_bytes: int = 0  # bytes copied back from the host tier for the hit (priced in ttft_s)
 
 
 class ClusterSim:
@@ -87,15 +104,20 @@ class ClusterSim:
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
                                   settings.cost.prefill_tokens_per_s, settings.seed, settings.router)
         self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
+        scale = settings.num_replicas if self.policy.shared_cache else 1  # the oracle: one cache of R budgets
+        blocks = settings.layout.pool_blocks(settings.budget_bytes * scale, settings.mamba_fraction)
+        host = settings.layout.host_pages(settings.host_bytes * scale, settings.mamba_fraction)
+
+        def replica(name: str, index: GlobalIndex | None) -> SimReplica:
+            return SimReplica(name, self.coordinator, self.planner, blocks, index, self.eviction, state_page,
+                              host_pages=host, page_bytes=pages)
+
         if self.policy.shared_cache:
-            blocks = settings.layout.pool_blocks(settings.budget_bytes * settings.num_replicas, settings.mamba_fraction)
-            shared = SimReplica("oracle", self.coordinator, self.planner, blocks, None, self.eviction, state_page)
-            self.caches = [shared] * len(ids)
+            self.caches = [replica("oracle", None)] * len(ids)
         else:
-            blocks = settings.layout.pool_blocks(settings.budget_bytes, settings.mamba_fraction)
-            self.caches = [SimReplica(r, self.coordinator, self.planner, blocks, self.index, self.eviction,
-                                      state_page) for r in ids]
+            self.caches = [replica(r, self.index) for r in ids]
         self.num_blocks_per_group = blocks
+        self.num_host_pages_per_group = host
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         groups = layout.groups
@@ -139,20 +161,28 @@ class ClusterSim:
         num_moved = 0
         if choice.transfer_src is not None:  # move only what the source really holds
             num_moved = min(choice.transfer_tokens, self.caches[choice.transfer_src].lookup(hashes, n).hit_tokens)
+        cost = self.settings.cost
+        promoted = 0  # host-tier bytes this request's hit copies back to a device
         if num_moved:
-            cache.receive_transfer(hashes, num_moved)
+            # the source sends pages it holds on its host tier too (copied up first), and the
+            # destination registers the transfer over its own hit (which may promote)
+            promoted = self.caches[choice.transfer_src].promoted_bytes(hashes, num_moved)
+            stored = cache.receive_transfer(hashes, num_moved)
+            promoted += sum(k * b for k, b in zip(stored.num_promoted_pages, self.settings.layout.page_bytes))
             moved = num_moved * self._attention_bytes_per_token + self._state_bytes
-            transfer_s = moved / self.settings.cost.transfer_bytes_per_s
+            transfer_s = moved / cost.transfer_bytes_per_s
         hit = cache.lookup(hashes, n)
+        promoted += cache.promoted_bytes(hashes, hit.hit_tokens)
         if self.value_retention is not None:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
-        cost = self.settings.cost
         first, finish = self.queues[choice.replica].admit(
-            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s, cost.decode_s(req.output_length), n - hit.hit_tokens)
+            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s + cost.promote_s(promoted),
+            cost.decode_s(req.output_length), n - hit.hit_tokens)
         junctions = self.coordinator.junctions(hit)
         heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, hit.hit_tokens, n, junctions))
         return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
-                             hit.attention_match_tokens, num_moved, first - now, finish)
+                             hit.attention_match_tokens, num_moved, first - now, finish,
+                             hit.hit_tokens if promoted else 0, promoted)
 
     def run(self, requests: Iterable[TraceRequest],
             on_step: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:

@@ -10,6 +10,10 @@ expected value), complete blocks published under their prefix hashes (a copy alr
 stays private: "first copy wins"), snapshots taken at the checkpoints past the hit, everything
 freed tail first. Events travel as the wire's `BlockRecord`s through `GlobalIndex.apply_batch`,
 the path pushed batches take in the live service.
+
+With a host tier (`host_pages`), pages the pools evict are demoted to it and a hit's host-only
+pages are promoted when the hit is restored (`promotion.py`, inside the same admission);
+`promoted_bytes` prices that copy when the request is served, as the engine would pay it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from cache_service.global_index import GlobalIndex
 from cache_service.local_cache import LocalPrefixCache
 from cache_service.messages import BlockRecord, RecordKind
 from cache_service.prefill import StoreResult
+from cache_service.promotion import host_only
 from cache_service.retention import CheckpointPlanner
 
 
@@ -78,12 +83,19 @@ class SimReplica:
         eviction: EvictionConfig | None = None,
         state_page_bytes: int = 1,
         max_retained_pages: int | None = None,
+        host_pages: Sequence[int] = (),
+        page_bytes: Sequence[int] = (),
     ) -> None:
+        """`host_pages`: per group, the pages of its host tier (none: no tier); `page_bytes`: per
+        group, one page's bytes (what `promoted_bytes` counts; needed with a host tier)."""
+        if host_pages and len(page_bytes) != len(coordinator.layout.groups):
+            raise ValueError("a replica with a host tier needs one page size per group")
         self.replica_id = replica_id
         self.planner = planner
         self.coordinator = coordinator
         self.cache = LocalPrefixCache(coordinator, num_blocks_per_group, RecordSink(replica_id), eviction,
-                                      state_page_bytes, max_retained_pages)
+                                      state_page_bytes, max_retained_pages, host_pages)
+        self.page_bytes = tuple(page_bytes)
         self.index = index
         if index is not None:
             index.add_replica(replica_id)
@@ -96,6 +108,14 @@ class SimReplica:
         group's own answer at the cap, which only explanations use)."""
         return self.coordinator.find_longest_hit(hashes.hashes, num_prompt_tokens, self.cache.lookup_view,
                                                  per_group=False)
+
+    def promoted_bytes(self, hashes: RequestBlockHashes, hit_tokens: int) -> int:
+        """Bytes admitting a hit of `hit_tokens` copies back from the host tier now: its host-only
+        pages (`promotion.host_only`) times each group's page bytes. Read-only."""
+        if not hit_tokens:
+            return 0
+        return sum(len(host_only(m, hashes, hit_tokens)) * b
+                   for m, b in zip(self.cache.groups.managers, self.page_bytes) if m.pool.host is not None)
 
     def publish(self, hashes: RequestBlockHashes, hit_tokens: int, num_tokens: int,
                 junctions: Sequence[int]) -> StoreResult:

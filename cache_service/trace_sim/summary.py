@@ -5,6 +5,10 @@ turnover, load balance.
                         layout's cost(p) (eviction.py): hits on long prefixes count for more
     state_turnover      Mamba snapshots evicted per state page the pools hold: how many times the
                         state pool was replaced over the run
+    host tier           host_hit_tokens: tokens of hits that promoted any page from the host tier
+                        (part of num_hit_tokens); promoted_bytes: what those promotions copied (the
+                        TTFT pays it at host_to_device_bytes_per_s); host_pages_*: the tiers' own
+                        counters (demoted, promoted, dropped), summed over distinct caches
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
     total_cost = sum(cost(r.input_tokens) for r in records)
     mambas = [m for c in distinct for m in c.cache.groups.of_kind("mamba")]
     state_pages = sum(m.pool.num_blocks - 1 for m in mambas)
+    hosts = [p.host for c in distinct for p in c.cache.pools if p.host is not None]
+    num_host_hit = sum(r.host_hit_tokens for r in records)
     return {
         "policy": s.policy,
         "layout": s.layout.name,
@@ -58,6 +64,14 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
         "num_state_evictions": sum(m.num_evictions for m in mambas),
         "state_turnover": sum(m.num_evictions for m in mambas) / state_pages if state_pages else 0.0,
         "num_transfer_tokens": sum(r.transfer_tokens for r in records),
+        "host_bytes_per_replica": s.host_bytes,
+        "num_host_pages_per_group": list(sim.num_host_pages_per_group),
+        "num_host_hit_tokens": num_host_hit,
+        "host_hit_rate": num_host_hit / num_input if num_input else 0.0,
+        "num_promoted_bytes": sum(r.promoted_bytes for r in records),
+        "host_pages_demoted": sum(h.num_demoted for h in hosts),
+        "host_pages_promoted": sum(h.num_promoted for h in hosts),
+        "host_pages_dropped": sum(h.num_dropped for h in hosts),
         "ttft_s": {
             "mean": sum(ttft) / len(ttft) if ttft else 0.0,
             "p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p95": percentile(ttft, 95),
