@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step, decodes first (engine.max_num_batched_tokens)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse cached prefixes (engine.enable_prefix_caching)")
+    p.add_argument("--host-cache-gib", type=float, metavar="GIB",
+                   help="host memory per replica for KV blocks and Mamba states the device evicts, promoted back "
+                        "on a hit; 0 = none (engine.host_cache_bytes)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], help="decode steps as CUDA graphs (engine.cuda_graphs)")
     p.add_argument("--chat-template", help="a Jinja chat template file or inline string (model.chat_template)")
     p.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
@@ -75,6 +78,10 @@ def parse_serve_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[s
     if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
         p.error(f"two different models given: {args.model_tag!r} and --model {args.model_flag!r}")
     settings = {key: getattr(args, dest) for dest, key in SETTINGS.items() if getattr(args, dest) is not None}
+    if args.host_cache_gib is not None:
+        if not args.host_cache_gib >= 0:  # also refuses nan
+            p.error(f"--host-cache-gib must be >= 0, got {args.host_cache_gib}")
+        settings["engine.host_cache_bytes"] = int(args.host_cache_gib * 2**30)
     model = args.model_tag or args.model_flag
     if model:
         # a model named on the command line must exist: never stand a random checkpoint in for it

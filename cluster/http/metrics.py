@@ -59,6 +59,11 @@ class Metrics:
                                           registry=r)
         self.cached_tokens = Counter("hybridserve_prefix_cache_hit_tokens", "prompt tokens served from cache",
                                      registry=r)
+        # a sibling of the counter above (as vLLM counts vllm:external_prefix_cache_hits beside
+        # vllm:prefix_cache_hits): the part of it whose hit copied pages back from the host tier
+        self.host_cached_tokens = Counter("hybridserve_prefix_cache_host_hit_tokens",
+                                          "prompt tokens served from cache by hits that promoted pages from the "
+                                          "host tier (part of hybridserve_prefix_cache_hit_tokens)", registry=r)
         # vLLM's vllm:prompt_tokens_by_source{source=local_compute|local_cache_hit}: the work a hit saved
         # (a prefix moved here by a transfer is registered, then served as a local hit)
         self.prompt_tokens_by_source = Counter(
@@ -99,6 +104,7 @@ class Metrics:
         self.cache_query_tokens.inc(out.num_prompt_tokens)
         self.cache_hits.inc(1 if out.num_cached_tokens else 0)
         self.cached_tokens.inc(out.num_cached_tokens)
+        self.host_cached_tokens.inc(getattr(out, "num_host_cached_tokens", 0))
         self.prompt_tokens_by_source.labels("local_compute").inc(out.num_computed_prompt_tokens)
         self.prompt_tokens_by_source.labels("local_cache_hit").inc(out.num_cached_tokens)
         report = getattr(out, "cache_report", None)  # the first admission's lookup, when the engine made one
@@ -143,12 +149,16 @@ class Metrics:
 
     def attach_engine_stats(self, stats) -> None:
         """Gauges read from a local engine's `stats()` at each scrape (retained Mamba checkpoints:
-        count, bytes, budget, evictions; skipped snapshots)."""
+        count, bytes, budget, evictions; skipped snapshots; the host tier's pages and copies)."""
         names = {"num_retained_checkpoints": "retained Mamba checkpoints",
                  "retained_checkpoint_bytes": "bytes of retained Mamba checkpoints",
                  "max_retained_checkpoint_bytes": "byte budget of retained Mamba checkpoints",
                  "num_checkpoint_evictions": "retained Mamba checkpoints evicted (budget or pool pressure)",
-                 "num_snapshots_skipped": "Mamba snapshots not taken (worth less than every retained one, or no room)"}
+                 "num_snapshots_skipped": "Mamba snapshots not taken (worth less than every retained one, or no room)",
+                 "num_host_pages": "pages (KV blocks and Mamba states) held by the host tier",
+                 "num_host_demoted_pages": "pages copied to the host tier as the device evicted them",
+                 "num_host_promoted_pages": "pages copied back from the host tier for a hit",
+                 "num_host_dropped_pages": "pages the host tier evicted to make room"}
         for key, doc in names.items():
             gauge = self.engine_gauges[key] = Gauge(f"hybridserve_engine_{key}", doc, registry=self.registry)
             gauge.set_function(lambda key=key: stats().get(key, 0))

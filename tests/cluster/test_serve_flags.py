@@ -89,3 +89,14 @@ def test_cuda_graphs_flag_reaches_the_engine_config():
     assert load_config(args.config, args.overrides, settings).engine.cuda_graphs == "off"
     with pytest.raises(SystemExit):
         parse_serve_args(["--cuda-graphs", "maybe"])
+
+
+def test_host_cache_gib_flag_reaches_the_engine_config(capsys):
+    args, settings = parse_serve_args(["--host-cache-gib", "1.5"])
+    assert load_config(args.config, args.overrides, settings).engine.host_cache_bytes == 3 * 2**29
+    args, settings = parse_serve_args([])
+    assert load_config(args.config, args.overrides, settings).engine.host_cache_bytes == 0
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            parse_serve_args(["--host-cache-gib", bad])
+        assert "--host-cache-gib must be >= 0" in capsys.readouterr().err
