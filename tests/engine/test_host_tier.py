@@ -65,9 +65,10 @@ def run_with_flood(engine, prompt, num_flood: int, first_seed: int = 100):
 
 @pytest.mark.parametrize("k, eagle, hit", MODES)
 def test_a_demoted_prefix_is_served_from_host_byte_identical(tiny_model, k, eagle, hit):
-    """Wrong changes this catches: a promotion that loads another slot or skips the lossless sidecar
-    (the pages are compared byte for byte, and the drafts with a device hit's), a lookup blind to the host (hit 0), a promotion that recomputes anyway (work
-    counted), host pages sized 0 (no demotion)."""
+    """Wrong changes this catches: a promotion that loads another slot or skips the lossless
+    sidecar (the pages are compared byte for byte, and the drafts with a device hit's), a lookup
+    blind to the host (hit 0), a promotion that recomputes anyway (work counted), host pages sized
+    0 (no demotion)."""
     config = dict(num_spec_tokens=k, eagle_mode=eagle, max_model_len=512, cache_memory_bytes=8 * 2**20,
                   mamba_memory_fraction=0.75, retention="latest")
     prompt = make_prompt(300, 7)

@@ -63,7 +63,7 @@ def check_run(model, k: int, eagle: str, waves) -> None:
     engine = sized_engine(model, num_blocks=60 if k else 70, num_pages=14 + k, k=k, eagle_mode=eagle,
                           max_model_len=512, max_num_seqs=3, retention="dense",
                           host_cache_bytes=8 * 2**20)
-    for rid, (i, out) in drive(engine, waves).items():
+    for i, out in drive(engine, waves).values():
         assert out.token_ids == cold[i], f"prompt {i} differs from its cold run"
         TOTALS["preempted"] += out.num_preemptions
         TOTALS["host_hits"] += out.num_host_cached_tokens > 0
