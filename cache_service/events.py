@@ -37,6 +37,18 @@ class AllBlocksCleared(CacheEvent):
     pass
 
 
+@dataclass(frozen=True)
+class HostBlockStored(CacheEvent):
+    """Pages demoted to the host tier (the device's `BlockRemoved` for them comes beside it)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class HostBlockRemoved(CacheEvent):
+    block_hashes: tuple[BlockHash, ...]
+
+
 class EventSink:
     """Collects events from all block pools of one replica, numbering them 0, 1, 2, ...
 
@@ -74,7 +86,16 @@ class EventSink:
             self._emit(BlockRemoved, group_id, block_hashes)
 
     def cleared(self, group_id: int) -> None:
+        """Every page of the group is gone, on the device and its host tier."""
         self._emit(AllBlocksCleared, group_id)
+
+    def host_stored(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        if block_hashes:
+            self._emit(HostBlockStored, group_id, block_hashes)
+
+    def host_removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        if block_hashes:
+            self._emit(HostBlockRemoved, group_id, block_hashes)
 
     def drain(self) -> list[CacheEvent]:
         with self._lock:
@@ -88,7 +109,8 @@ class EventSink:
         return (events[0].seq if events else end), end, pack_events(events)
 
 
-_KIND = {BlockStored: RecordKind.STORED, BlockRemoved: RecordKind.REMOVED, AllBlocksCleared: RecordKind.CLEARED}
+_KIND = {BlockStored: RecordKind.STORED, BlockRemoved: RecordKind.REMOVED, AllBlocksCleared: RecordKind.CLEARED,
+         HostBlockStored: RecordKind.HOST_STORED, HostBlockRemoved: RecordKind.HOST_REMOVED}
 
 
 def pack_events(events: list[CacheEvent]) -> tuple[BlockRecord, ...]:

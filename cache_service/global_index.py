@@ -9,6 +9,11 @@ Storage: per group, `hash -> bitmask of replicas`, so one index serves any numbe
 `scorer.AllReplicaScorer` scores all of them in one walk of a request's chain, and
 `ReplicaView` is the `CacheLookup` the coordinator sees for one replica (the same hit
 semantics as on the worker itself).
+
+Two tiers: `holders` are pages on a replica's device, `host_holders` pages on its host tier
+(`host_tier.py`: a hit there is served after a host-to-device copy). A page can be in both. The
+router scores the device alone and both tiers together (`tiers_view`), and prices the difference
+as copies (`router.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class ReplicaState:
     stale: bool = True  # no consistent view yet (new, a gap, or a resync in progress)
     resync_id: str | None = None  # the chunked resync in progress
     num_entries: list[int] = field(default_factory=list)
+    num_host_entries: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class GlobalIndex:
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
         self.holders: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        self.host_holders: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self.replicas: dict[str, ReplicaState] = {}
         self.by_bit: dict[int, str] = {}
         self._routable: int | None = None  # cached bitmask of non-stale replicas (None: recompute)
@@ -53,7 +60,8 @@ class GlobalIndex:
             if replica_id in self.replicas:
                 return self.replicas[replica_id]
             bit = next(b for b in range(len(self.by_bit) + 1) if b not in self.by_bit)
-            state = ReplicaState(replica_id, bit, stale=stale, num_entries=[0] * self.num_groups)
+            state = ReplicaState(replica_id, bit, stale=stale, num_entries=[0] * self.num_groups,
+                                 num_host_entries=[0] * self.num_groups)
             self.replicas[replica_id] = state
             self.by_bit[bit] = replica_id
             self._routable = None
@@ -71,8 +79,9 @@ class GlobalIndex:
             return removed
 
     def _clear_bits(self, state: ReplicaState) -> int:
-        removed = sum(_clear_group(holders, 1 << state.bit) for holders in self.holders)
+        removed = sum(_clear_group(holders, 1 << state.bit) for holders in (*self.holders, *self.host_holders))
         state.num_entries = [0] * self.num_groups
+        state.num_host_entries = [0] * self.num_groups
         return removed
 
     # ---- events ---------------------------------------------------------------------------
@@ -91,20 +100,23 @@ class GlobalIndex:
                 state.stale, self._routable = True, None
                 return ApplyResult(0, True)
             mask = 1 << state.bit
-            counts = state.num_entries
             for rec in records:
-                groups = rec.group_mask
-                if rec.kind is RecordKind.CLEARED:
+                groups, kind = rec.group_mask, rec.kind
+                if kind is RecordKind.CLEARED:
                     for g in range(self.num_groups):
                         if groups >> g & 1:
                             _clear_group(self.holders[g], mask)
-                            counts[g] = 0
+                            _clear_group(self.host_holders[g], mask)
+                            state.num_entries[g] = state.num_host_entries[g] = 0
                     continue
-                key, stored = rec.block_hash, rec.kind is RecordKind.STORED
+                host = kind is RecordKind.HOST_STORED or kind is RecordKind.HOST_REMOVED
+                tier = self.host_holders if host else self.holders
+                counts = state.num_host_entries if host else state.num_entries
+                key, stored = rec.block_hash, kind is RecordKind.STORED or kind is RecordKind.HOST_STORED
                 g = 0
                 while groups:
                     if groups & 1:
-                        holders = self.holders[g]
+                        holders = tier[g]
                         old = holders.get(key, 0)
                         if stored and not old & mask:
                             holders[key] = old | mask
@@ -140,19 +152,21 @@ class GlobalIndex:
             self._clear_bits(state)
             state.stale, state.resync_id, self._routable = True, resync_id, None
 
-    def resync_chunk(self, replica_id: str, resync_id: str, group_id: int, keys: Iterable[BlockHash]) -> bool:
-        """Add one chunk; False if no such resync is in progress (e.g. the service restarted)."""
+    def resync_chunk(self, replica_id: str, resync_id: str, group_id: int, keys: Iterable[BlockHash],
+                     host: bool = False) -> bool:
+        """Add one chunk (`host`: of the replica's host tier); False if no such resync is in
+        progress (e.g. the service restarted)."""
         with self._lock:
             state = self.replicas.get(replica_id)
             if state is None or state.resync_id != resync_id:
                 return False
-            mask, holders, added = 1 << state.bit, self.holders[group_id], 0
+            mask, holders, added = 1 << state.bit, (self.host_holders if host else self.holders)[group_id], 0
             for key in keys:
                 old = holders.get(key, 0)
                 if not old & mask:
                     holders[key] = old | mask
                     added += 1
-            state.num_entries[group_id] += added
+            (state.num_host_entries if host else state.num_entries)[group_id] += added
             return True
 
     def end_resync(self, replica_id: str, resync_id: str, next_seq: int) -> bool:
@@ -163,17 +177,21 @@ class GlobalIndex:
             state.next_seq, state.stale, state.resync_id, self._routable = next_seq, False, None, None
             return True
 
-    def resync(self, replica_id: str, contents: Sequence[Iterable[BlockHash]], next_seq: int) -> None:
-        """Replace a replica's entries with a full snapshot taken when its next event is `next_seq`."""
+    def resync(self, replica_id: str, contents: Sequence[Iterable[BlockHash]], next_seq: int,
+               host_contents: Sequence[Iterable[BlockHash]] = ()) -> None:
+        """Replace a replica's entries with a full snapshot taken when its next event is `next_seq`
+        (`host_contents`: per group, its host tier's keys)."""
         with self._lock:
             self.begin_resync(replica_id, "whole")
             for group, keys in enumerate(contents):
                 self.resync_chunk(replica_id, "whole", group, keys)
+            for group, keys in enumerate(host_contents):
+                self.resync_chunk(replica_id, "whole", group, keys, host=True)
             self.end_resync(replica_id, "whole", next_seq)
 
     # ---- lookups --------------------------------------------------------------------------
-    def view(self, replica_id: str) -> ReplicaView:
-        return ReplicaView(self, self.replicas[replica_id].bit)
+    def view(self, replica_id: str, tiers: bool = False) -> ReplicaView:
+        return ReplicaView(self, self.replicas[replica_id].bit, tiers)
 
     def routable_replicas(self) -> list[str]:
         return [r for r, s in self.replicas.items() if not s.stale]
@@ -203,6 +221,14 @@ class GlobalIndex:
     def num_entries(self) -> int:
         return sum(len(h) for h in self.holders)
 
+    @property
+    def has_host_entries(self) -> bool:
+        return any(self.host_holders)
+
+    def tiers_view(self) -> list[TierUnion]:
+        """Per group, the holders of a page on either tier (what a hit that may promote can use)."""
+        return [TierUnion(d, h) for d, h in zip(self.holders, self.host_holders)]
+
 
 def _clear_group(holders: dict[BlockHash, int], mask: int) -> int:
     """Remove one replica's bit from every entry of a group; returns how many it held."""
@@ -216,13 +242,29 @@ def _clear_group(holders: dict[BlockHash, int], mask: int) -> int:
     return len(keys)
 
 
+class TierUnion:
+    """One group's `hash -> replica bitmask` over both tiers (read-only; the scorer's `get`)."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device: dict[BlockHash, int], host: dict[BlockHash, int]) -> None:
+        self.device, self.host = device, host
+
+    def get(self, key: BlockHash, default: int = 0) -> int:
+        return self.device.get(key, default) | self.host.get(key, default)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self.device or key in self.host
+
+
 class ReplicaView:
     """`CacheLookup` over one replica's entries in the global index (read-only)."""
 
     __slots__ = ("_holders", "_mask")
 
-    def __init__(self, index: GlobalIndex, bit: int) -> None:
-        self._holders = index.holders
+    def __init__(self, index: GlobalIndex, bit: int, tiers: bool = False) -> None:
+        """`tiers`: a page on the replica's host tier counts too (the worker's own lookup does)."""
+        self._holders = index.tiers_view() if tiers else index.holders
         self._mask = 1 << bit
 
     def is_cached(self, group_id: int, block_hash: BlockHash) -> bool:

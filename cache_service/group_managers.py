@@ -266,7 +266,7 @@ class GroupManagers:
                 extra["support"] = self.support
             if num_host:
                 policy = eviction.build(extra.get("page_size_bytes", 1)) if cls is MambaManager else None
-                pool.host = HostTier(g, num_host, host_backend, policy)
+                pool.host = HostTier(g, num_host, host_backend, policy, pool.events)
             self.managers.append(cls(g, spec, pool, coordinator, backend, **extra))
             if num_host and cls is MambaManager:
                 self.managers[-1].attach_host()

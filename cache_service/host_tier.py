@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from cache_service.block_hash import BlockHash
+from cache_service.events import EventSink
 from cache_service.eviction_policy import CheckpointEviction
 
 
@@ -56,15 +57,16 @@ class HostTier:
     """One group's host pages: `num_pages` slots keyed by prefix hash."""
 
     def __init__(self, group_id: int, num_pages: int, backend: HostBackend | None = None,
-                 policy: CheckpointEviction | None = None) -> None:
+                 policy: CheckpointEviction | None = None, events: EventSink | None = None) -> None:
         """`policy`: for a Mamba group, the eviction policy of its host level (None: LRU, the
-        attention groups' order)."""
+        attention groups' order); `events`: the replica's sink (the cluster index keeps the tier)."""
         if num_pages < 1:
             raise ValueError(f"a host tier needs at least 1 page, got {num_pages}")
         self.group_id = group_id
         self.num_pages = num_pages
         self.backend = backend if backend is not None else NullHostBackend()
         self.policy = policy
+        self.events = events if events is not None else EventSink(enabled=False)
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._free_slots = list(range(num_pages - 1, -1, -1))
         self._pinned: set[BlockHash] = set()
@@ -103,6 +105,7 @@ class HostTier:
         self.slots[key] = slot
         if self.policy is not None:
             self.policy.stored(key, self.position_of(key), 0)
+        self.events.host_stored(self.group_id, (key,))
         self.num_demoted += 1
         return True
 
@@ -141,7 +144,7 @@ class HostTier:
         self._pinned.clear()
 
     # ---- removal ------------------------------------------------------------------------------
-    def drop(self, key: BlockHash) -> bool:
+    def drop(self, key: BlockHash, announce: bool = True) -> bool:
         """Forget the host page of `key` (its slot is reused)."""
         slot = self.slots.pop(key, None)
         if slot is None:
@@ -149,12 +152,15 @@ class HostTier:
         self._free_slots.append(slot)
         if self.policy is not None:
             self.policy.removed(key)
+        if announce:
+            self.events.host_removed(self.group_id, (key,))
         self.on_dropped(key)
         return True
 
     def clear(self) -> None:
+        """Forget every page (the pool's reset: its `cleared` event covers both tiers)."""
         for key in list(self.slots):
-            self.drop(key)
+            self.drop(key, announce=False)
 
     def check_integrity(self) -> None:
         slots = list(self.slots.values())

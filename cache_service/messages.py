@@ -22,7 +22,9 @@ from cache_service.block_hash import BlockHash
 class RecordKind(IntEnum):
     STORED = 0
     REMOVED = 1
-    CLEARED = 2  # every block of the groups in `group_mask`; `block_hash` is None
+    CLEARED = 2  # every block of the groups in `group_mask` (both tiers); `block_hash` is None
+    HOST_STORED = 3  # the page is on the replica's host tier (`host_tier.py`): a hit there costs a copy
+    HOST_REMOVED = 4
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class ResyncChunkMsg:
     next_seq: int
     first: bool = False
     last: bool = False
+    host: bool = False  # the keys are on the replica's host tier, not its device
 
 
 @dataclass(frozen=True)

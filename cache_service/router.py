@@ -54,6 +54,9 @@ class RouterConfig:
     prefill_cost_per_token: float = 1.0  # relative units; only ratios matter
     load_cost_per_queued_token: float = 1.0
     transfer_cost_per_token: float = 0.05  # moving a token's pages vs recomputing it
+    # copying a token's pages from a replica's host tier to its device vs recomputing it (PCIe-class
+    # copies: cheaper than a transfer between replicas, dearer than a device hit's nothing)
+    host_cost_per_token: float = 0.02
     min_transfer_tokens: int = 256
     # share of the attention match beyond the reconciled hit credited as saved (a junction forms
     # there); 0.5 measured on the Mooncake trace (README "Trace-driven simulation")
@@ -62,6 +65,9 @@ class RouterConfig:
     links: LinkCostConfig = field(default_factory=LinkCostConfig)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.host_cost_per_token < self.prefill_cost_per_token:
+            raise ValueError(f"router.host_cost_per_token must be in [0, prefill_cost_per_token "
+                             f"{self.prefill_cost_per_token}), got {self.host_cost_per_token}")
         if not 0.0 <= self.junction_credit < 1.0:
             raise ValueError(f"router.junction_credit must be in [0, 1), got {self.junction_credit}")
         if self.policy not in {p.value for p in RoutingPolicy}:
@@ -75,11 +81,14 @@ MAX_ESTIMATES = 8  # holders listed in a decision (the front door moves pages fr
 @dataclass(frozen=True)
 class ReplicaHits:
     """Per replica id: the reconciled hit and the attention match in tokens (absent: 0), and
-    whether the index vouched for any candidate (False: a decision by load only)."""
+    whether the index vouched for any candidate (False: a decision by load only). `host_tokens`:
+    the part of a hit that only the replica's host tier serves (its pages are copied to the device
+    first; absent: 0)."""
 
     hit_tokens: dict[str, int]
     attention_tokens: dict[str, int]
     any_vouched: bool
+    host_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class NoReplicaError(RuntimeError):
@@ -126,9 +135,17 @@ class Router:
         scores = self.scorer.score(hashes, num_prompt_tokens, self.index.holders, everyone)
         by_bit = self.index.by_bit
         attention = {by_bit[b]: v for b, v in scores.attention_tokens.items()}
-        hits = attention if self.policy is RoutingPolicy.ATTENTION_OVERLAP else {
-            by_bit[b]: v for b, v in scores.hit_tokens.items()}
-        return ReplicaHits(hits, attention, True)
+        if self.policy is RoutingPolicy.ATTENTION_OVERLAP:
+            return ReplicaHits(attention, attention, True)
+        hits = {by_bit[b]: v for b, v in scores.hit_tokens.items()}
+        host: dict[str, int] = {}
+        if self.index.has_host_entries:  # both tiers: a larger hit, its extra pages copied from the host
+            tiers = self.scorer.score(hashes, num_prompt_tokens, self.index.tiers_view(), everyone)
+            for b, v in tiers.hit_tokens.items():
+                if v > hits.get(by_bit[b], 0):
+                    host[by_bit[b]] = v - hits.get(by_bit[b], 0)
+                    hits[by_bit[b]] = v
+        return ReplicaHits(hits, attention, True, host)
 
     def decide(self, scored: ReplicaHits, num_prompt_tokens: int, load: Mapping[str, int],
                candidates: Collection[str], forced: str | None = None,
@@ -146,11 +163,13 @@ class Router:
                     else self._rng.choice(replicas))
             return RouteDecision(pick, policy, 0, ())
         hits, attention, everyone = scored.hit_tokens, scored.attention_tokens, scored.any_vouched
+        host = scored.host_tokens
         special = hits.keys() | attention.keys()
         best_key, best = None, []
         for r in special:
             n = load.get(r, 0)
-            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n, attention.get(r, 0)), -attention.get(r, 0), n)
+            key = (self._cost(num_prompt_tokens, hits.get(r, 0), n, attention.get(r, 0), host.get(r, 0)),
+                   -attention.get(r, 0), n)
             if best_key is None or key < best_key:
                 best_key, best = key, [r]
             elif key == best_key:
@@ -172,7 +191,8 @@ class Router:
             chosen = forced
         holders = sorted(special, key=lambda r: (-hits.get(r, 0), -attention.get(r, 0), r))[:MAX_ESTIMATES]
         estimate = {r: ReplicaEstimate(r, hits.get(r, 0), self._cost(num_prompt_tokens, hits.get(r, 0),
-                                                                     load.get(r, 0), attention.get(r, 0)),
+                                                                     load.get(r, 0), attention.get(r, 0),
+                                                                     host.get(r, 0)),
                                        attention.get(r, 0))
                     for r in sorted({chosen, *holders})}
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
@@ -181,14 +201,16 @@ class Router:
             decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
         return decision
 
-    def _cost(self, num_prompt_tokens: int, hit: int, load: int, match: int = 0) -> float:
+    def _cost(self, num_prompt_tokens: int, hit: int, load: int, match: int = 0, host: int = 0) -> float:
         """`match`: the attention match (a junction forms above `hit`; credited for hybrid only,
-        where the hit is the reconciled one and so can fall short of the match)."""
+        where the hit is the reconciled one and so can fall short of the match); `host`: tokens
+        of the hit served from the host tier (a copy each, `host_cost_per_token`)."""
         c = self.config
         saved = hit
         if match > hit and self.policy is RoutingPolicy.HYBRID:
             saved += c.junction_credit * (match - hit)
-        return (num_prompt_tokens - saved) * c.prefill_cost_per_token + load * c.load_cost_per_queued_token
+        return ((num_prompt_tokens - saved) * c.prefill_cost_per_token + host * c.host_cost_per_token
+                + load * c.load_cost_per_queued_token)
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
                         best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:

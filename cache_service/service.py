@@ -106,7 +106,7 @@ class CacheService:
         if chunk.first:
             self.index.begin_resync(rid, chunk.resync_id)
             self.loads.ensure(rid)
-        ok = self.index.resync_chunk(rid, chunk.resync_id, chunk.group_id, chunk.keys)
+        ok = self.index.resync_chunk(rid, chunk.resync_id, chunk.group_id, chunk.keys, chunk.host)
         if ok and chunk.last:
             ok = self.index.end_resync(rid, chunk.resync_id, chunk.next_seq)
             self.counters["resyncs"] += ok

@@ -48,13 +48,15 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     else:
         hits: dict[str, int] = {}
         attention: dict[str, int] = {}
+        host: dict[str, int] = {}
         vouched = False
         for shard, keys in zip(shards, known):
             part = shard.router.hits(msg.block_hashes, n, candidates & keys)
             hits.update(part.hit_tokens)
             attention.update(part.attention_tokens)
+            host.update(part.host_tokens)
             vouched |= part.any_vouched
-        scored = ReplicaHits(hits, attention, vouched)
+        scored = ReplicaHits(hits, attention, vouched, host)
     loads = first.loads.view()
     by_load = first.loads.by_load()
     if len(shards) > 1:

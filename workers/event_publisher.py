@@ -30,11 +30,12 @@ PUSH_TIMEOUT_S = 10.0
 
 
 class EventPublisher:
-    def __init__(self, replica_id: str, sink: EventSink, snapshot: Callable[[], tuple[list[list[bytes]], int]],
+    def __init__(self, replica_id: str, sink: EventSink, snapshot: Callable[[], tuple],
                  service_name: str | None = None, namespace: str | None = None, heartbeat_s: float = 0.5,
                  chunk_size: int = 65536) -> None:
-        """`snapshot()` runs on the engine loop: every cached key per group and the next seq, with
-        the sink's pending events discarded (they are in the snapshot)."""
+        """`snapshot()` runs on the engine loop: every cached key per group and the next seq (and,
+        third, per group the host tier's keys, when there is one), with the sink's pending events
+        discarded (they are in the snapshot)."""
         self.replica_id = replica_id
         self.sink = sink
         self.snapshot = snapshot
@@ -114,18 +115,24 @@ class EventPublisher:
     def resync(self) -> None:
         """Send the whole cache in chunks; on any failure the next push starts over."""
         self._needs_resync = True
-        contents, next_seq = self.snapshot()
+        snap = self.snapshot()
+        contents, next_seq = snap[0], snap[1]
+        host = snap[2] if len(snap) > 2 else []  # per group, the host tier's keys
         resync_id = uuid.uuid4().hex
-        pieces = [(g, keys[i: i + self.chunk_size]) for g, keys in enumerate(contents)
+        pieces = [(g, keys[i: i + self.chunk_size], False) for g, keys in enumerate(contents)
                   for i in range(0, max(len(keys), 1), self.chunk_size)]
-        for n, (g, keys) in enumerate(pieces):
+        pieces += [(g, keys[i: i + self.chunk_size], True) for g, keys in enumerate(host)
+                   for i in range(0, len(keys), self.chunk_size)]
+        for n, (g, keys, on_host) in enumerate(pieces):
             reply = self._call("resync_chunk", ResyncChunkMsg(self.replica_id, resync_id, g, tuple(keys), next_seq,
-                                                              first=n == 0, last=n == len(pieces) - 1))
+                                                              first=n == 0, last=n == len(pieces) - 1,
+                                                              host=on_host))
             if not reply.accepted:
                 raise RuntimeError(f"resync {resync_id} refused (service restarted?)")
         self._needs_resync = False
         self.num_resyncs += 1
-        log.info("%s: resynced %d entries into the cache service", self.replica_id, sum(map(len, contents)))
+        log.info("%s: resynced %d entries (%d on the host tier) into the cache service", self.replica_id,
+                 sum(map(len, contents)), sum(map(len, host)))
 
     def _call(self, method: str, msg) -> IngestReplyMsg:
         reply = self.call_service(method, msg)

@@ -90,10 +90,12 @@ class Replica:
         free = engine.cache.num_free_kv_blocks
         self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
 
-    def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int]:
+    def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int, list[list[bytes]]]:
         def take(engine):
             self.events.take_batch()  # pending events are in the snapshot itself
-            return [list(p.cached) for p in engine.cache.pools], self.events.next_seq
+            pools = engine.cache.pools
+            return ([list(p.cached) for p in pools], self.events.next_seq,
+                    [list(p.host.slots) if p.host is not None else [] for p in pools])
 
         return self.runner.call(take)
 

@@ -60,6 +60,14 @@ class RecordSink(EventSink):
         self._records.append(BlockRecord(RecordKind.CLEARED, None, 1 << group_id))
         self._next_seq += 1
 
+    def host_stored(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        self._records += [BlockRecord(RecordKind.HOST_STORED, key, 1 << group_id) for key in block_hashes]
+        self._next_seq += bool(block_hashes)
+
+    def host_removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        self._records += [BlockRecord(RecordKind.HOST_REMOVED, key, 1 << group_id) for key in block_hashes]
+        self._next_seq += bool(block_hashes)
+
     def drain(self) -> list:
         raise NotImplementedError("a RecordSink is read with take_batch")
 

@@ -8,7 +8,9 @@ import pytest
 from cache_service import EagleMode, HybridCoordinator, LocalPrefixCache, RequestBlockHashes
 from cache_service.block_pool import BlockPool
 from cache_service.eviction import make_eviction
+from cache_service.global_index import GlobalIndex
 from cache_service.host_tier import HostTier
+from cache_service.router import Router, RouterConfig
 from cache_service.simulate import make_tokens
 from tests.cache_service.helpers import make_layout
 
@@ -137,3 +139,82 @@ def test_reset_prefix_cache_forgets_the_host_too():
     assert all(pool.reset_prefix_cache() for pool in cache.pools)
     assert len(cache.pools[0].host) == 0 and cache.lookup(a, 129).hit_tokens == 0
     cache.check_integrity()
+
+
+def index_of(cache: LocalPrefixCache, replica: str = "r") -> GlobalIndex:
+    index = GlobalIndex(len(cache.pools))
+    index.add_replica(replica)
+    assert not index.apply(replica, cache.events.drain()).needs_resync
+    return index
+
+
+def tier_keys(index: GlobalIndex, group: int, host: bool, replica: str = "r") -> set:
+    bit = 1 << index.replicas[replica].bit
+    return {k for k, v in (index.host_holders if host else index.holders)[group].items() if v & bit}
+
+
+def test_the_index_keeps_each_page_on_the_tier_the_replica_holds_it():
+    """Events carry the tier: after traffic that demotes, promotes and drops, the index's device and
+    host entries of the replica are exactly its pools' and host tiers' keys (catches: a demotion
+    announced as a device store, a promotion or a host drop not announced, CLEARED leaving host
+    entries), and its both-tier view serves the hit the worker itself finds."""
+    cache = cache_with([20, 3], kv_blocks=12, state_pages=6, retained=2)
+    order = [0, 1, 2, 0, 3, 1, 4, 5, 0, 2, 6, 7, 8, 1]  # revisits after other traffic: promotions
+    lengths = [129 + 16 * (i % 3) for i in order]
+    prompts = [RequestBlockHashes(16, make_tokens(n, i, 50)) for i, n in zip(order, lengths)]
+    index = GlobalIndex(2)
+    index.add_replica("r")
+    for hashes, n in zip(prompts, lengths):
+        hit = cache.lookup(hashes, n).hit_tokens
+        cache.store_prefix(hashes, n, (128,), hit_tokens=hit)
+        assert not index.apply("r", cache.events.drain()).needs_resync
+        for g, pool in enumerate(cache.pools):
+            assert tier_keys(index, g, host=False) == set(pool.cached)
+            assert tier_keys(index, g, host=True) == set(pool.host.slots)
+        both = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.OFF)
+        assert both.find_longest_hit(hashes.hashes, n, index.view("r", tiers=True)).hit_tokens == \
+            cache.lookup(hashes, n).hit_tokens
+    assert sum(p.host.num_demoted for p in cache.pools) and sum(p.host.num_promoted for p in cache.pools)
+    assert sum(p.host.num_dropped for p in cache.pools)
+    assert all(pool.reset_prefix_cache() for pool in cache.pools)
+    index.apply("r", cache.events.drain())
+    assert not any(index.holders) and not any(index.host_holders)
+
+
+def test_a_resync_carries_the_host_tier():
+    cache = cache_with([8, 8])
+    a = RequestBlockHashes(16, make_tokens(129, 1, 50))
+    cache.store_prefix(a, 129, (128,))
+    cache.store_prefix(RequestBlockHashes(16, make_tokens(144, 2, 50)), 144, (128,))
+    index = GlobalIndex(2)
+    index.resync("r", [list(p.cached) for p in cache.pools], cache.events.next_seq,
+                 [list(p.host.slots) for p in cache.pools])
+    assert tier_keys(index, 0, host=True) == set(a.hashes[:8]) and tier_keys(index, 0, host=False)
+    assert index.replicas["r"].num_host_entries == [8, 0]
+
+
+def test_the_router_prices_a_host_hit_between_a_device_hit_and_recompute():
+    """Three replicas: `dev` holds a 256-token prefix on its device, `host` on its host tier only,
+    `cold` nothing. Equal load: `dev` wins; `dev` busier by more than the copy costs: `host` wins
+    (its hit is counted, the copy priced); `host` busier by more than recompute saves: `cold`."""
+    layout = make_layout("full:16", "mamba:64")
+    coord = HybridCoordinator(layout, EagleMode.OFF)
+    hashes = RequestBlockHashes(16, make_tokens(300, 5, 50))
+    keys = hashes.hashes[:16]
+    index = GlobalIndex(2)
+    for r in ("dev", "host", "cold"):
+        index.add_replica(r)
+    index.resync("dev", [keys, [hashes.prefix_hash(256)]], 0)
+    index.resync("host", [[], []], 0, [keys, [hashes.prefix_hash(256)]])
+    router = Router(index, coord, "hybrid", RouterConfig(host_cost_per_token=0.02))
+    scored = router.hits(hashes.hashes, 300, None)
+    assert scored.hit_tokens == {"dev": 256, "host": 256} and scored.host_tokens == {"host": 256}
+    assert router.route(hashes.hashes, 300, {"dev": 0, "host": 0, "cold": 0}).replica_id == "dev"
+    copy = 256 * 0.02  # 5.12 queued tokens' worth
+    picked = router.route(hashes.hashes, 300, {"dev": 6, "host": 0, "cold": 0})
+    assert picked.replica_id == "host" and picked.expected_hit_tokens == 256
+    assert router.route(hashes.hashes, 300, {"dev": 5, "host": 0, "cold": 0}).replica_id == "dev"  # 5 < copy
+    assert router.route(hashes.hashes, 300, {"dev": 300, "host": 300, "cold": 0}).replica_id == "cold"
+    assert copy == pytest.approx(5.12)
+    with pytest.raises(ValueError, match="host_cost_per_token must be in"):
+        RouterConfig(host_cost_per_token=1.0)
