@@ -9,7 +9,8 @@ the hit is restored (`GroupManagers.admit`; the engine and every simulation alik
     4. release  the pins of step 1 (`Promotion.release`)
 
 `host_only` answers the check-then-act question: how many extra device pages admitting a hit
-takes, per group.
+takes, per group. `pin_keys` does steps 1-2 for a list of keys of one pool (a transfer's source
+pages, which may sit on the holder's host tier).
 """
 
 from __future__ import annotations
@@ -58,12 +59,40 @@ def promote_hit(managers: Sequence, hashes: RequestBlockHashes, hit_tokens: int)
         m.pool.host.pin(missing)
         plans.append((g, m, present, missing))
     for g, m, present, missing in plans:
-        for key in missing:
-            (block,) = m.pool.allocate(1)
-            m.pool.host.promote(key, block.block_id, hit_tokens)
-            m.pool.cache_block(block, key)
-            present.append(block)
-        m.pool.host.unpin()
+        present += _promote(m.pool, missing, hit_tokens)
         result.num_pages[g] = len(missing)
         result.pins.append((m, present))
     return result
+
+
+def _promote(pool, keys: Sequence[BlockHash], position: int = 0) -> list[CacheBlock]:
+    """Copy host-only `keys` into fresh device pages, cached under them (each held once)."""
+    out = []
+    try:
+        for key in keys:
+            (block,) = pool.allocate(1)
+            pool.host.promote(key, block.block_id, position)
+            pool.cache_block(block, key)
+            out.append(block)
+    finally:
+        pool.host.unpin()
+    return out
+
+
+def pin_keys(pool, keys: Sequence[BlockHash]) -> list[CacheBlock] | None:
+    """Hold a reference on the device page of every key, promoting those only the host tier has;
+    None (nothing held) when a key is on neither tier or the device has no room to promote.
+    Release with `pool.free`."""
+    cached, host = pool.cached, pool.host
+    missing = list(dict.fromkeys(k for k in keys if k not in cached))
+    if missing and (host is None or any(k not in host for k in missing)):
+        return None
+    present = list(dict.fromkeys(cached[k] for k in keys if k in cached))
+    if missing and not pool.can_allocate(len(missing) + sum(1 for b in present if not b.ref_cnt)):
+        return None
+    pool.touch(present)
+    if missing:
+        host.pin(missing)
+        present += _promote(pool, missing)
+    by_key = {b.block_hash: b for b in present}
+    return [by_key[k] for k in dict.fromkeys(keys)]

@@ -26,6 +26,7 @@ import xxhash
 
 from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.link_costs import PageBytes
+from cache_service.promotion import pin_keys
 from workers.engine.cache_manager import EngineCacheManager
 
 
@@ -97,26 +98,18 @@ def export_prefix(
     cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, tp_size: int = 1, tp_rank: int = 0
 ) -> tuple[TransferHeader, torch.Tensor]:
     """Pack the cached pages that serve a hit of `num_tokens` (must be cached here)."""
-    size = cache.block_size
     if num_tokens <= 0 or num_tokens % cache.alignment:
         raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
-    # a dropping group (EAGLE drop) serves L only with the pages that prove the successor token
-    reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
-    wanted: list[list[BlockHash]] = [
-        [hashes.prefix_hash(num_tokens)] if cache.layout.groups[g].kind == "mamba"
-        else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
-        for g in range(len(cache.pools))
-    ]
-    parts: list[torch.Tensor] = []  # tensor-major, page-minor: one gather per cache tensor
-    for group, keys in enumerate(wanted):
-        ids = []
-        for key in keys:
-            block = cache.pools[group].get_cached(key)
-            if block is None:
-                raise TransferError(f"group {group}: page for the {num_tokens}-token prefix is not cached")
-            ids.append(block.block_id)
-        index = torch.tensor(ids, dtype=torch.long)
-        parts.extend(t.index_select(0, index).reshape(-1) for t in group_tensors(cache, group))
+    wanted = _wanted_keys(cache, hashes, num_tokens)
+    blocks = pin_pages(cache, wanted, num_tokens)
+    try:
+        parts: list[torch.Tensor] = []  # tensor-major, page-minor: one gather per cache tensor
+        for group, found in enumerate(blocks):
+            index = torch.tensor([b.block_id for b in found], dtype=torch.long)
+            parts.extend(t.index_select(0, index).reshape(-1) for t in group_tensors(cache, group))
+    finally:
+        for group, found in enumerate(blocks):
+            cache.pools[group].free(found)
     payload = torch.cat(parts).contiguous().view(torch.uint8)
     header = TransferHeader(
         cache.config.model_fingerprint, str(parts[0].dtype), tp_size, tp_rank, cache.block_size,
@@ -224,6 +217,8 @@ def _chunk_nbytes(cache: EngineCacheManager, plan) -> list[int]:
 
 
 def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int) -> list[list[BlockHash]]:
+    """Per group, the keys of the pages serving a `num_tokens` hit (a dropping group's, under EAGLE
+    drop, reach past it: the pages that prove the successor token)."""
     size = cache.block_size
     reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
     return [
@@ -231,6 +226,21 @@ def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_toke
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
         for g in range(len(cache.pools))
     ]
+
+
+def pin_pages(cache: EngineCacheManager, wanted: list[list[BlockHash]], num_tokens: int) -> list[list]:
+    """Per group, a held reference on the device page of every wanted key (pages only the host
+    tier holds are promoted first: a transfer is served from the holder's host tier too); on the
+    engine's thread. Release with each pool's `free`."""
+    blocks: list[list] = []
+    for group, keys in enumerate(wanted):
+        found = pin_keys(cache.pools[group], keys)
+        if found is None:
+            for g, held in enumerate(blocks):
+                cache.pools[g].free(held)
+            raise TransferError(f"group {group}: page for the {num_tokens}-token prefix is not cached")
+        blocks.append(found)
+    return blocks
 
 
 def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, channel,
@@ -245,15 +255,7 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
 
     def pin():
         wanted = _wanted_keys(cache, hashes, num_tokens)
-        blocks = []
-        for group, keys in enumerate(wanted):
-            found = [cache.pools[group].get_cached(k) for k in keys]
-            if any(b is None for b in found):
-                raise TransferError(f"group {group}: page for the {num_tokens}-token prefix is not cached")
-            blocks.append(found)
-        for group, found in enumerate(blocks):
-            cache.pools[group].touch(found)
-        return wanted, blocks
+        return wanted, pin_pages(cache, wanted, num_tokens)
 
     try:
         wanted, blocks = on_loop(pin)

@@ -197,3 +197,35 @@ def test_streamed_transfer_to_an_incompatible_replica_is_refused_after_draining(
         recv_prefix(other.cache, recv_end)
     sender.join(timeout=30)
     assert not sender.is_alive() and recv_end.inbox.empty()  # every chunk was drained
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_transfer_is_served_from_the_holders_host_tier(tiny_model, streamed):
+    """The holder's pages were demoted to its host tier: the transfer promotes them and moves them;
+    the receiver's hit is byte-identical and computes only the rest (catches: a sender that reads
+    only device pages and refuses, or sends another slot's bytes)."""
+    import threading
+
+    config = dict(num_spec_tokens=3, eagle_mode="lossless", max_model_len=512, cache_memory_bytes=8 * 2**20,
+                  mamba_memory_fraction=0.75)
+    src = make_engine(tiny_model, host_cache_bytes=24 * 2**20, **config)
+    dst = make_engine(tiny_model, **config)
+    prompt = make_prompt(300, 21)
+    (cold,) = src.generate([prompt], PARAMS)
+    for i in range(4):
+        src.generate([make_prompt(300, 300 + i)], PARAMS)
+    hashes, hit = _hashes(src, prompt), 256
+    assert hashes.prefix_hash(hit) not in src.cache.pools[1].cached  # the state is on the host only
+    if streamed:
+        send_end, recv_end = _pair()
+        sender = threading.Thread(target=send_prefix, args=(src.cache, hashes, hit, send_end))
+        sender.start()
+        assert recv_prefix(dst.cache, recv_end) > 0
+        sender.join(timeout=30)
+    else:
+        assert import_prefix(dst.cache, *export_prefix(src.cache, hashes, hit)) > 0
+    assert src.cache.host_stats()["num_host_promoted_pages"] > 0
+    src.cache.check_integrity()
+    (warm,) = dst.generate([prompt], PARAMS)
+    assert warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
+    assert warm.num_computed_prompt_tokens == 300 - hit
