@@ -160,12 +160,17 @@ def explain_lookup(profile: CacheProfile, report: LookupReport) -> dict:
                  f"{report.attention_match_tokens}")
     lines.append(f"reconciliation: candidates {' -> '.join(map(str, report.candidates))}; hit {hit}")
     lines += _reason_lines(report, profile.alignment)
+    promoted = list(report.host_promoted_pages) or [0] * len(report.per_group_hits)
+    if any(promoted):
+        lines.append("served through the host tier: pages copied back per group " + ", ".join(map(str, promoted)))
     return {
         **profile.as_dict(),
         "num_prompt_tokens": report.num_prompt_tokens,
         "per_group_hits": list(report.per_group_hits),
         "hit_tokens": hit,
         "num_cached_tokens": hit,
+        "hit_tier": "host" if any(promoted) else "device" if hit else None,
+        "host_promoted_pages": promoted,
         "num_computed_prompt_tokens": report.num_prompt_tokens - hit,
         "attention_match_tokens": report.attention_match_tokens,
         "shared_prefix_tokens": report.shared_prefix_tokens,

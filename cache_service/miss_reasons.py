@@ -82,6 +82,8 @@ class LookupReport:
     candidates: tuple[int, ...]  # the fixed point's iterates
     reason: str | None = None  # a MissReason value; None: not short
     reason_position: int = 0  # see REASONS
+    # the hit's pages copied back from the host tier, per group (empty: none; `host_tier.py`)
+    host_promoted_pages: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, num_prompt_tokens: int, hit: HitResult, probes: Sequence[GroupProbe],

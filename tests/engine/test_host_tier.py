@@ -5,6 +5,8 @@ loses the hit (so the device really evicted it)."""
 import pytest
 import torch
 
+from cache_service import cacheability
+from cache_service.explain import explain_lookup
 from cluster.http.metrics import Metrics
 from tests.conftest import make_engine, make_prompt
 from workers.engine.errors import EngineConfigError
@@ -128,6 +130,13 @@ def test_a_host_hit_stays_on_the_host_after_promotion(tiny_model):
     assert value("hybridserve_prefix_cache_host_hit_tokens_total") == 256 and cold.num_host_cached_tokens == 0
     assert value("hybridserve_engine_num_host_promoted_pages") == stats["num_host_promoted_pages"]
     assert value("hybridserve_engine_num_host_pages") == stats["num_host_pages"] > 0
+    # explain: the tier of the hit, from the lookup report the request carries
+    cache = engine.cache
+    profile = cacheability.cache_profile(cache.coordinator, cache.planner.policy, True)
+    shown = explain_lookup(profile, warm.cache_report)
+    assert shown["hit_tier"] == "host" and sum(shown["host_promoted_pages"]) > 0
+    assert any("host tier" in line for line in shown["explanation"])
+    assert explain_lookup(profile, cold.cache_report)["hit_tier"] == "device"
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "1G"])

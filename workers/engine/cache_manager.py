@@ -16,6 +16,8 @@ from it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from cache_service.block_pool import BlockPool
@@ -173,6 +175,8 @@ class EngineCacheManager:
         if not req.num_preemptions:
             req.num_cached_tokens = length
             req.num_host_cached_tokens = length if any(promoted) else 0
+            if any(promoted):
+                req.cache_report = replace(req.cache_report, host_promoted_pages=promoted)
         draft_start = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_draft_computed_tokens = draft_start
         req.junctions = self.coordinator.junctions(hit)
