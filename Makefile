@@ -31,9 +31,10 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(PY) -m cluster.demo
 
-# The multi-host fault tests (marker `chaos`): node loss, the GCS restart with Redis and the chaos soak's
-# short form (tests/cluster/test_chaos.py), about 7 minutes together, too long for make test's 15; the
-# full soak is `python -m bench.chaos --minutes 10`. Same needs as test's bed, plus redis-server.
+# The fault tests too long for make test's 15 minutes (marker `chaos`): node loss, the GCS restart with
+# Redis, the chaos soak's short form (tests/cluster/test_chaos.py) and the seven-scenario fault injection
+# (tests/cluster/test_faults.py), about 8.5 minutes together; the full soak is
+# `python -m bench.chaos --minutes 10`. Same needs as test's bed, plus redis-server.
 chaos: $(STAMP)
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && apt-get install -y -qq iproute2 redis-server >/dev/null; } \

@@ -11,10 +11,11 @@ Inclusive after a promotion, exclusive otherwise: a key is on the device, on the
 Lookups (`local_cache.PoolLookup`) treat a host key as cached; admission
 (`GroupManagers.admit`) promotes every host-only page of a hit before restoring it.
 
-Which host page goes when the host is full: attention blocks least recently demoted or promoted
-first; Mamba states by a policy object of the device's own kind (`eviction.py`: lru, marconi or
-value), which also decides whether a state is worth demoting at all (`admits`). A spare
-attention block (no retained state makes it usable, `kv_support.py`) is not demoted.
+Which host page goes when the host is full: attention blocks that no retained state (on either
+tier) makes usable any more first (`keeps`, the pool's `kv_support.py` hook; the spare order,
+told by `reconsider`), then least recently demoted or promoted; Mamba states by a policy object
+of the device's own kind (`eviction.py`: lru, marconi or value), which also decides whether a
+state is worth demoting at all (`admits`). A spare attention block is not demoted.
 
 Copies go through a `HostBackend` (the engine's copies tensors, issued on the device's stream so
 they overlap compute and no request waits on one; `NullHostBackend` for simulations). Keys being
@@ -68,6 +69,9 @@ class HostTier:
         self.policy = policy
         self.events = events if events is not None else EventSink(enabled=False)
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        # attention groups under a joint-KV policy: whether a state still makes a block usable
+        self.keeps: Callable[[BlockHash], bool] | None = None
+        self._spare: OrderedDict[BlockHash, None] = OrderedDict()  # held keys `keeps` says no hit can use
         self._free_slots = list(range(num_pages - 1, -1, -1))
         self._pinned: set[BlockHash] = set()
         # set by the owner: a Mamba state's position on its device (what the host policy ranks by)
@@ -103,6 +107,7 @@ class HostTier:
         slot = self._free_slots.pop()
         self.backend.save_page(self.group_id, block_id, slot)
         self.slots[key] = slot
+        self.reconsider(key)
         if self.policy is not None:
             self.policy.stored(key, self.position_of(key), 0)
         self.events.host_stored(self.group_id, (key,))
@@ -122,7 +127,17 @@ class HostTier:
     def _victim(self) -> BlockHash | None:
         if self.policy is not None:
             return self.policy.victim(lambda k: None if k not in self.slots else k not in self._pinned)
-        return next((k for k in self.slots if k not in self._pinned), None)
+        spare = next((k for k in self._spare if k not in self._pinned), None)
+        return spare if spare is not None else next((k for k in self.slots if k not in self._pinned), None)
+
+    def reconsider(self, key: BlockHash) -> None:
+        """`keeps`' answer for a held key may have changed: it joins or leaves the spare order."""
+        if self.keeps is None or key not in self.slots:
+            return
+        if self.keeps(key):
+            self._spare.pop(key, None)
+        else:
+            self._spare[key] = None
 
     # ---- promotion ----------------------------------------------------------------------------
     def promote(self, key: BlockHash, block_id: int, position: int = 0) -> None:
@@ -150,6 +165,7 @@ class HostTier:
         if slot is None:
             return False
         self._free_slots.append(slot)
+        self._spare.pop(key, None)
         if self.policy is not None:
             self.policy.removed(key)
         if announce:
@@ -168,3 +184,7 @@ class HostTier:
         assert not set(slots) & set(self._free_slots), "a host slot both free and used"
         assert len(slots) + len(self._free_slots) == self.num_pages, "host slots lost"
         assert all(0 <= s < self.num_pages for s in slots), "a host slot out of range"
+        assert self._spare.keys() <= self.slots.keys(), "a spare key not held"
+        if self.keeps is not None:
+            assert all(not self.keeps(k) for k in self._spare), "a usable block in the spare order"
+            assert all(k in self._spare for k in self.slots if not self.keeps(k)), "a spare block not in the order"

@@ -93,3 +93,5 @@ class KvSupport:
         for pool in self.pools:
             if node in pool.cached:
                 pool.reconsider(node)
+            if pool.host is not None:
+                pool.host.reconsider(node)

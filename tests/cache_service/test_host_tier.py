@@ -51,6 +51,24 @@ def test_pinned_pages_are_never_dropped_and_a_full_pinned_host_refuses():
     assert host.demote(KEYS[2], 3) and KEYS[0] not in host
 
 
+def test_host_blocks_no_state_makes_usable_go_first():
+    """An attention block whose every supporting state is gone (kv_support says so through
+    `reconsider`) leaves the host before older blocks a hit can still use (catches: plain LRU on
+    the host, a reconsider that is not told)."""
+    usable = {KEYS[0], KEYS[1], KEYS[2], KEYS[3]}
+    host = HostTier(0, 3)
+    host.keeps = usable.__contains__
+    for i in range(3):
+        host.demote(KEYS[i], i + 1)
+    usable.discard(KEYS[1])
+    host.reconsider(KEYS[1])
+    host.check_integrity()
+    assert host.demote(KEYS[3], 9) and KEYS[1] not in host and KEYS[0] in host
+    assert host.demote(KEYS[4], 11) and KEYS[0] not in host  # no spare block: least recently used
+    assert host.demote(KEYS[5], 12) and KEYS[4] not in host  # KEYS[4] no state makes usable: spare
+    host.check_integrity()
+
+
 def test_the_mamba_host_policy_refuses_a_state_worth_less_than_every_held_one():
     host = HostTier(1, 1, policy=make_eviction("value", 1))
     positions = {KEYS[0]: 1024, KEYS[1]: 64}

@@ -3,7 +3,12 @@ small size): every greedy request finishes with status 200 and its cold output; 
 error allowed is the documented one (an unseeded sampled request that had already streamed when its
 replica died: its tokens cannot be regenerated), and exactly as many as the scenario provokes; and
 the cluster index is consistent again after each fault (how fast is measured by `python -m
-bench.faults`, not asserted here)."""
+bench.faults`, not asserted here).
+
+Marked `chaos` (with the multi-host fault tests): its seven scenarios take about 85 s on 2 cores, so
+`make chaos` runs it and `make test` deselects it; `make test` still runs the fault bench's
+`drop_events` scenario (`tests/bench/test_bench_outputs.py`) and the kill tests of
+`test_ray_cluster.py`, `test_replica_restart_ray.py` and `test_frontdoors.py`."""
 
 import os
 import tempfile
@@ -12,7 +17,7 @@ import pytest
 
 from bench.faults import SCENARIOS, FaultConfig, format_table, run_scenarios, two_node_cluster
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.heavy, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,7 @@ def test_a_simulated_replica_leaves_the_pools_the_engines_managers_leave(eagle, 
 
 
 # where blocks are cached for publication, and re-cached when the host tier gives a page back
-PUBLISHERS = {"group_managers.py", "mamba_manager.py", "promotion.py"}
+PUBLISHERS = {"attention_managers.py", "group_managers.py", "mamba_manager.py", "promotion.py"}
 
 
 def test_only_the_group_managers_cache_blocks_or_walk_retained_block_ends():
