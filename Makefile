@@ -33,7 +33,7 @@ demo: $(STAMP)
 
 # The fault tests too long for make test's 15 minutes (marker `chaos`): node loss, the GCS restart with
 # Redis, the chaos soak's short form (tests/cluster/test_chaos.py) and the seven-scenario fault injection
-# (tests/cluster/test_faults.py), about 8.5 minutes together; the full soak is
+# (tests/cluster/test_faults.py): 12 passed in 6 min 36 s on 6 Dec; the full soak is
 # `python -m bench.chaos --minutes 10`. Same needs as test's bed, plus redis-server.
 chaos: $(STAMP)
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
