@@ -182,13 +182,13 @@ class BlockPool:
         self.events.stored(self.group_id, (block_hash,))
         return True
 
-    def evict(self, block_hash: BlockHash, demote: bool = True) -> bool:
+    def evict(self, block_hash: BlockHash) -> bool:
         """Drop a cached hash whose block is free (an eviction policy's victim; tests). With a host
-        tier and `demote`, its page is copied there first."""
+        tier, its page is copied there first."""
         block = self.cached.get(block_hash)
         if block is None or block.ref_cnt:
             return False
-        if demote and self.host is not None:
+        if self.host is not None:
             self.host.demote(block_hash, block.block_id)
         self._uncache(block)
         if self._spare.pop(block.block_id, None) is not None:

@@ -9,8 +9,8 @@ the hit is restored (`GroupManagers.admit`; the engine and every simulation alik
     4. release  the pins of step 1 (`Promotion.release`)
 
 `host_only` answers the check-then-act question: how many extra device pages admitting a hit
-takes, per group. `pin_keys` does steps 1-2 for a list of keys of one pool (a transfer's source
-pages, which may sit on the holder's host tier).
+takes, per group. `pin_keys` does steps 1-2 for a list of keys of one pool: a hit's pages of one
+group, or a transfer's source pages, which may sit on the holder's host tier.
 """
 
 from __future__ import annotations
@@ -45,27 +45,23 @@ class Promotion:
 
 
 def promote_hit(managers: Sequence, hashes: RequestBlockHashes, hit_tokens: int) -> Promotion:
-    """Steps 1-2 of the module doc. The caller checked the room (`host_only` pages per group on
-    top of what the hit needs without a host tier)."""
+    """Steps 1-2 of the module doc, per group with host-only pages (`pin_keys`; a group's pages
+    never evict another's). The caller checked the room (`host_only` pages per group on top of
+    what the hit needs without a host tier)."""
     result = Promotion([0] * len(managers))
-    plans = []
     for g, m in enumerate(managers):
-        missing = host_only(m, hashes, hit_tokens)
-        if not missing:
+        num_missing = len(host_only(m, hashes, hit_tokens))
+        if not num_missing:
             continue
-        cached = m.pool.cached
-        present = list(dict.fromkeys(cached[k] for k in m.hit_keys(hashes, hit_tokens) if k in cached))
-        m.pool.touch(present)
-        m.pool.host.pin(missing)
-        plans.append((g, m, present, missing))
-    for g, m, present, missing in plans:
-        present += _promote(m.pool, missing, hit_tokens)
-        result.num_pages[g] = len(missing)
-        result.pins.append((m, present))
+        held = pin_keys(m.pool, m.hit_keys(hashes, hit_tokens), hit_tokens)
+        if held is None:
+            raise RuntimeError(f"group {g}: no room to promote {num_missing} pages of a hit admission checked")
+        result.num_pages[g] = num_missing
+        result.pins.append((m, held))
     return result
 
 
-def _promote(pool, keys: Sequence[BlockHash], position: int = 0) -> list[CacheBlock]:
+def _promote(pool, keys: Sequence[BlockHash], position: int) -> list[CacheBlock]:
     """Copy host-only `keys` into fresh device pages, cached under them (each held once)."""
     out = []
     try:
@@ -79,10 +75,11 @@ def _promote(pool, keys: Sequence[BlockHash], position: int = 0) -> list[CacheBl
     return out
 
 
-def pin_keys(pool, keys: Sequence[BlockHash]) -> list[CacheBlock] | None:
-    """Hold a reference on the device page of every key, promoting those only the host tier has;
-    None (nothing held) when a key is on neither tier or the device has no room to promote.
-    Release with `pool.free`."""
+def pin_keys(pool, keys: Sequence[BlockHash], position: int = 0) -> list[CacheBlock] | None:
+    """Hold a reference on the device page of every key (once each, in key order), promoting those
+    only the host tier has (`position`: the hit's, for the host policy; 0: unknown); None (nothing
+    held) when a key is on neither tier or the device has no room to promote. Release with
+    `pool.free`."""
     cached, host = pool.cached, pool.host
     missing = list(dict.fromkeys(k for k in keys if k not in cached))
     if missing and (host is None or any(k not in host for k in missing)):
@@ -93,6 +90,6 @@ def pin_keys(pool, keys: Sequence[BlockHash]) -> list[CacheBlock] | None:
     pool.touch(present)
     if missing:
         host.pin(missing)
-        present += _promote(pool, missing)
+        present += _promote(pool, missing, position)
     by_key = {b.block_hash: b for b in present}
     return [by_key[k] for k in dict.fromkeys(keys)]

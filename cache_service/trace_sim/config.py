@@ -25,9 +25,11 @@ class SimLayout:
     # context length at which attention's quadratic FLOPs equal the linear ones (eviction.py)
     attention_crossover_tokens: float = float("inf")
 
-    def _split(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
+    def _split(self, budget_bytes: int, mamba_fraction: float, minimum: int, what: str, unit: str,
+               remedy: str = "") -> tuple[int, ...]:
         """Pages per group from `budget_bytes`: attention groups share (1 - mamba_fraction) with one
-        page each per token range; state groups the rest (all of it to attention without states)."""
+        page each per token range; state groups the rest (all of it to attention without states).
+        Fewer than `minimum` in any group is an error naming `what` memory and the page `unit`."""
         groups = self.layout.groups
         attn = [i for i, g in enumerate(groups) if g.is_attention]
         state = [i for i, g in enumerate(groups) if not g.is_attention]
@@ -35,30 +37,25 @@ class SimLayout:
         state_bytes = budget_bytes - attn_bytes
         num_attn = int(attn_bytes // sum(self.page_bytes[i] for i in attn)) if attn else 0
         num_state = int(state_bytes // sum(self.page_bytes[i] for i in state)) if state else 0
-        return tuple(num_attn if g.is_attention else num_state for g in groups)
+        out = tuple(num_attn if g.is_attention else num_state for g in groups)
+        if min(out) < minimum:
+            raise SimConfigError(
+                f"layout {self.name}: {budget_bytes} bytes{what} with mamba_fraction {mamba_fraction} "
+                f"gives {out} {unit} per group; every group needs at least {minimum}{remedy}"
+            )
+        return out
 
     def pool_blocks(self, budget_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
         """Blocks per group for a replica with `budget_bytes` of device cache memory (`_split`)."""
-        out = self._split(budget_bytes, mamba_fraction)
-        if min(out) < 2:
-            raise SimConfigError(
-                f"layout {self.name}: {budget_bytes} bytes with mamba_fraction {mamba_fraction} "
-                f"gives {out} blocks per group; every group needs at least 2"
-            )
-        return out
+        return self._split(budget_bytes, mamba_fraction, 2, "", "blocks")
 
     def host_pages(self, host_bytes: int, mamba_fraction: float) -> tuple[int, ...]:
         """Host-tier pages per group for `host_bytes` of host memory, split as the device budget
         is (`_split`); () for 0 bytes (no host tier)."""
         if host_bytes == 0:
             return ()
-        out = self._split(host_bytes, mamba_fraction)
-        if min(out) < 1:
-            raise SimConfigError(
-                f"layout {self.name}: {host_bytes} bytes of host memory with mamba_fraction {mamba_fraction} "
-                f"gives {out} host pages per group; every group needs at least 1 (or 0 bytes: no host tier)"
-            )
-        return out
+        return self._split(host_bytes, mamba_fraction, 1, " of host memory", "host pages",
+                           " (or 0 bytes: no host tier)")
 
 
 @dataclass(frozen=True)

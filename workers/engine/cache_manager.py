@@ -91,10 +91,12 @@ class EngineCacheManager:
         budget = int(config.cache_memory_bytes * config.checkpoint_memory_fraction) // max(1, state_page_bytes)
         # [blocks, hidden] target h at block end - 1, beside the KV it belongs to (config.device)
         self.sidecar = torch.zeros(num_kv_blocks, hidden_size, device=config.device)
+        # only lossless EAGLE reads it (a hit's draft KV at L-1 is recomputed from it): without speculation,
+        # or with the drop rule, recording it is a copy per completed block for nothing
+        self.keeps_sidecar = eagle is EagleMode.LOSSLESS
         host = {"full": num_host_kv_blocks, "mamba": num_host_state_pages, "draft": num_host_kv_blocks}
         host_pages = tuple(host[spec.kind] for spec in groups)
-        eagle_lossless = eagle is EagleMode.LOSSLESS
-        self.host_pages = (HostPages(caches, self.layout, host_pages, self.sidecar if eagle_lossless else None)
+        self.host_pages = (HostPages(caches, self.layout, host_pages, self.sidecar if self.keeps_sidecar else None)
                            if any(host_pages) else None)
         self.groups = GroupManagers(self.coordinator, self.pools, ModelPageBackend(caches, self.layout), {
             "num_verify_pages": self.num_spec_tokens + 1 if speculative else 0,
@@ -112,9 +114,6 @@ class EngineCacheManager:
         # per group: whether its content runs to num_draft_computed_tokens (else num_computed_tokens)
         self._is_draft = tuple(spec.kind == "draft" for spec in self.layout.groups)
         self._alignment = self.layout.alignment  # an lcm over the groups: computed once, read per request
-        # only lossless EAGLE reads it (a hit's draft KV at L-1 is recomputed from it): without speculation,
-        # or with the drop rule, recording it is a copy per completed block for nothing
-        self.keeps_sidecar = eagle is EagleMode.LOSSLESS
 
     @property
     def alignment(self) -> int:

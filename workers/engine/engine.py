@@ -218,15 +218,25 @@ class LLMEngine:
             req.set_drafts(tokens[: room(req)])
             req.num_draft_proposed += req.num_draft_tokens
 
-def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
-    """(num_kv_blocks, num_state_slots) from the memory budget and the model's page sizes."""
+def _page_bytes(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
+    """(one KV block across the target and draft pools, one Mamba state page), at least 1 each."""
     kv_bytes = model.kv_bytes_per_block(config.kv_block_size)
     if speculative:
         kv_bytes += model.draft_kv_bytes_per_block(config.kv_block_size)
-    state_bytes = model.state_bytes_per_slot()
+    return max(1, kv_bytes), max(1, model.state_bytes_per_slot())
+
+
+def _split(model, config: EngineConfig, speculative: bool, budget: int) -> tuple[int, int]:
+    """(KV blocks, state pages) `budget` bytes hold, `mamba_memory_fraction` of it for states."""
+    kv_bytes, state_bytes = _page_bytes(model, config, speculative)
+    return (int(budget * (1 - config.mamba_memory_fraction)) // kv_bytes,
+            int(budget * config.mamba_memory_fraction) // state_bytes)
+
+
+def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
+    """(num_kv_blocks, num_state_slots) from the memory budget and the model's page sizes."""
     budget = config.cache_memory_bytes
-    num_slots = int(budget * config.mamba_memory_fraction) // max(1, state_bytes)
-    num_blocks = int(budget * (1 - config.mamba_memory_fraction)) // max(1, kv_bytes)
+    num_blocks, num_slots = _split(model, config, speculative, budget)
     need_blocks = -(-config.max_model_len // config.kv_block_size) + 2
     need_slots = 8 + config.num_spec_tokens
     if num_blocks < need_blocks or num_slots < need_slots:
@@ -237,21 +247,12 @@ def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int
     return num_blocks, num_slots
 
 
-def _page_bytes(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
-    kv_bytes = model.kv_bytes_per_block(config.kv_block_size)
-    if speculative:
-        kv_bytes += model.draft_kv_bytes_per_block(config.kv_block_size)
-    return max(1, kv_bytes), max(1, model.state_bytes_per_slot())
-
-
 def size_host_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
     """(host KV blocks, host state pages) of `config.host_cache_bytes`, split as the device budget is."""
     if not config.host_cache_bytes:
         return 0, 0
-    kv_bytes, state_bytes = _page_bytes(model, config, speculative)
     budget = config.host_cache_bytes
-    num_pages = int(budget * config.mamba_memory_fraction) // state_bytes
-    num_blocks = int(budget * (1 - config.mamba_memory_fraction)) // kv_bytes
+    num_blocks, num_pages = _split(model, config, speculative, budget)
     if not num_blocks or not num_pages:
         raise EngineConfigError(f"host_cache_bytes={budget} gives {num_blocks} KV blocks and {num_pages} state "
                                 f"pages on the host; at least one of each is needed (or 0 for no host tier)")
