@@ -68,10 +68,12 @@ class SimReplicaHost:
         self._lock = threading.Lock()
 
     def _snapshot(self, rid: str):
+        from workers.event_publisher import CacheSnapshot
+
         def take():
             with self._lock:
                 self.sinks[rid].take_batch()
-                return [list(g) for g in self.caches[rid]], self.sinks[rid].next_seq
+                return CacheSnapshot([list(g) for g in self.caches[rid]], self.sinks[rid].next_seq)
         return take
 
     def start(self) -> None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from cache_service.events import EventSink
 from cache_service.messages import EventBatchMsg, IngestReplyMsg, LoadReportMsg, ResyncChunkMsg
@@ -29,12 +30,20 @@ log = logging.getLogger(__name__)
 PUSH_TIMEOUT_S = 10.0
 
 
+class CacheSnapshot(NamedTuple):
+    """What a replica holds when its next event is `next_seq`: per group, its device keys and its
+    host tier's keys (none without a host tier)."""
+
+    contents: Sequence[Sequence[bytes]]
+    next_seq: int
+    host: Sequence[Sequence[bytes]] = ()
+
+
 class EventPublisher:
-    def __init__(self, replica_id: str, sink: EventSink, snapshot: Callable[[], tuple],
+    def __init__(self, replica_id: str, sink: EventSink, snapshot: Callable[[], CacheSnapshot],
                  service_name: str | None = None, namespace: str | None = None, heartbeat_s: float = 0.5,
                  chunk_size: int = 65536) -> None:
-        """`snapshot()` runs on the engine loop: every cached key per group and the next seq (and,
-        third, per group the host tier's keys, when there is one), with the sink's pending events
+        """`snapshot()` runs on the engine loop: a `CacheSnapshot`, with the sink's pending events
         discarded (they are in the snapshot)."""
         self.replica_id = replica_id
         self.sink = sink
@@ -115,9 +124,7 @@ class EventPublisher:
     def resync(self) -> None:
         """Send the whole cache in chunks; on any failure the next push starts over."""
         self._needs_resync = True
-        snap = self.snapshot()
-        contents, next_seq = snap[0], snap[1]
-        host = snap[2] if len(snap) > 2 else []  # per group, the host tier's keys
+        contents, next_seq, host = self.snapshot()
         resync_id = uuid.uuid4().hex
         pieces = [(g, keys[i: i + self.chunk_size], False) for g, keys in enumerate(contents)
                   for i in range(0, max(len(keys), 1), self.chunk_size)]

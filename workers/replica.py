@@ -25,6 +25,7 @@ import ray
 
 from cache_service.messages import LoadReportMsg
 from workers.engine.request import RequestOutput
+from workers.event_publisher import CacheSnapshot
 from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, WorkCountsMsg, merge_outputs
 from workers.transfer import page_bytes
 
@@ -90,12 +91,12 @@ class Replica:
         free = engine.cache.num_free_kv_blocks
         self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
 
-    def _snapshot_for_resync(self) -> tuple[list[list[bytes]], int, list[list[bytes]]]:
+    def _snapshot_for_resync(self) -> CacheSnapshot:
         def take(engine):
             self.events.take_batch()  # pending events are in the snapshot itself
             pools = engine.cache.pools
-            return ([list(p.cached) for p in pools], self.events.next_seq,
-                    [list(p.host.slots) if p.host is not None else [] for p in pools])
+            return CacheSnapshot([list(p.cached) for p in pools], self.events.next_seq,
+                                 [list(p.host.slots) if p.host is not None else [] for p in pools])
 
         return self.runner.call(take)
 

@@ -9,7 +9,7 @@ from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.service import CacheService
 from cache_service.simulate import make_tokens, run_request
 from tests.cache_service.helpers import make_layout
-from workers.event_publisher import EventPublisher
+from workers.event_publisher import CacheSnapshot, EventPublisher
 
 GROUPS = ["full:16", "mamba:64", "draft:16"]
 
@@ -26,14 +26,15 @@ class InProcessPublisher(EventPublisher):
         return getattr(self.service, method)(msg)
 
 
-def make_replica(name="r0", chunk_size=7):
+def make_replica(name="r0", chunk_size=7, sizes=(400, 40, 400), host_pages=()):
     coord = HybridCoordinator(make_layout(*GROUPS), EagleMode.DROP)
-    cache = LocalPrefixCache(coord, [400, 40, 400], EventSink(name))
+    cache = LocalPrefixCache(coord, list(sizes), EventSink(name), host_pages=host_pages)
     planner = CheckpointPlanner(coord, make_retention("latest", 64))
 
-    def snapshot():
+    def snapshot():  # as the replica's (`Replica._snapshot_for_resync`)
         cache.events.take_batch()
-        return [list(p.cached) for p in cache.pools], cache.events.next_seq
+        return CacheSnapshot([list(p.cached) for p in cache.pools], cache.events.next_seq,
+                             [list(p.host.slots) if p.host is not None else [] for p in cache.pools])
 
     pub = InProcessPublisher(name, cache.events, snapshot, chunk_size=chunk_size)
     return cache, planner, pub
@@ -42,7 +43,31 @@ def make_replica(name="r0", chunk_size=7):
 def index_matches(service, cache, name="r0"):
     state = service.index.replicas[name]
     held = [{k for k, v in h.items() if v >> state.bit & 1} for h in service.index.holders]
-    return not state.stale and held == [set(p.cached) for p in cache.pools]
+    on_host = [{k for k, v in h.items() if v >> state.bit & 1} for h in service.index.host_holders]
+    return (not state.stale and held == [set(p.cached) for p in cache.pools]
+            and on_host == [set(p.host.slots) if p.host is not None else set() for p in cache.pools])
+
+
+def test_the_host_tier_reaches_the_index_through_pushes_and_chunked_resyncs():
+    """Demotions, promotions and host drops travel as pushed events, and a resync (after a lost
+    batch, and into a restarted service) carries the host keys in their own chunks (catches: a
+    resync that drops the host chunks or files them as device keys)."""
+    cache, planner, pub = make_replica(sizes=(40, 6, 40), host_pages=(30, 4, 30))
+    pub.service = CacheService(GROUPS, "drop", "", seed=0)
+    pub.service.add_replica("r0")
+    prompts = [make_tokens(200 + 40 * (i % 3), i % 4, 50) for i in range(10)]
+    for i, tokens in enumerate(prompts):
+        run_request(cache, planner, tokens, None, explain=False)
+        pub.lose_next = i == 5
+        pub.push_once()
+        assert index_matches(pub.service, cache), i
+    assert pub.num_resyncs == 1 and any(len(p.host) for p in cache.pools)
+    assert sum(p.host.num_promoted for p in cache.pools)  # hits came back from the host on the way
+    pub.service = CacheService(GROUPS, "drop", "", seed=0)  # restarted: only a resync rebuilds it
+    run_request(cache, planner, prompts[0], None, explain=False)
+    pub.push_once()
+    assert pub.num_resyncs == 2 and index_matches(pub.service, cache)
+    assert any(pub.service.index.host_holders)
 
 
 def test_batches_keep_the_index_equal_through_a_lost_batch_and_a_restarted_service():
@@ -109,7 +134,7 @@ def test_the_service_predicts_with_the_replicas_drop_rule():
 
         def snapshot(cache=cache):
             cache.events.take_batch()
-            return [list(p.cached) for p in cache.pools], cache.events.next_seq
+            return CacheSnapshot([list(p.cached) for p in cache.pools], cache.events.next_seq)
 
         pub = InProcessPublisher("r0", cache.events, snapshot)
         pub.service = CacheService(GROUPS, "drop", "", seed=0, drop_rule=rule)
