@@ -6,7 +6,8 @@ The actor is threaded, with one Ray concurrency group per kind of call, so a bus
 starves another (150 long streams once occupied every thread and health checks timed out):
 
     streams    generate_stream: one thread per stream in flight (up to `max_streams`)
-    control    health, ping, describe, abort, cache summaries, fault injection, shutdown
+    control    health, ping, describe, abort, cache summaries, engine stats, fault injection,
+               shutdown
     transfer   send_prefix / recv_prefix (they block on a peer)
 
 Every touch of the engine goes through its `EngineRunner`, which serialises it with the step
@@ -202,6 +203,12 @@ class Replica:
             return WorkCountsMsg(engine.num_computed_prompt_tokens, tuple(ranks))
 
         return self.runner.call(take)
+
+    @ray.method(concurrency_group="control")
+    def engine_stats(self) -> dict[str, int]:
+        """The engine's counters and gauges (`EngineRunner.engine_stats`, read off the loop): the
+        front doors export them on /metrics, one sample per replica."""
+        return self.runner.engine_stats()
 
     @ray.method(concurrency_group="control")
     def tp_workers(self) -> list:

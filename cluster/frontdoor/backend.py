@@ -11,6 +11,7 @@ per concept:
     request_streams (request_streams.py) serving one request: retries, outputs, no token twice
     HotPrefixes     (hot_prefixes.py)    the prompts served, handed to the controller for warming
     ClusterStatus   (status.py)          the controller's, the service's and this door's counts
+                                         (and each replica's engine stats, for /metrics)
 
     submit(request)                                   (returns at once; a worker thread serves it)
       0. hash the prompt, once (the replica's engine adopts the hashes)
@@ -53,7 +54,7 @@ from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.page_mover import PageMover
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
-from cluster.frontdoor.status import ClusterStatus, DoorMetrics
+from cluster.frontdoor.status import ClusterStatus, DoorMetrics, ReplicaEngineStats
 from cluster.http.metrics import route_reason
 from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
@@ -170,6 +171,7 @@ class ClusterBackend:
     def attach_metrics(self, metrics: DoorMetrics) -> None:
         self.metrics = metrics
         metrics.attach_cluster_counters(self.status.controller_counters)
+        metrics.attach_replica_engine_stats(ReplicaEngineStats(self.replicas).read)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                request_id: str | None = None, replica_id: str | None = None) -> RequestStream:

@@ -1,15 +1,19 @@
 """The counts a front door reports (`ClusterBackend.counters`, `/metrics`): the controller's
 (replica deaths, restarts, transfers), the cache service's resyncs summed across its restarts
-(a restarted service counts from 0 again: its epoch changes), and this front door's routing and
-retries. Reads are bounded: a busy or restarting actor gives the last known values."""
+(a restarted service counts from 0 again: its epoch changes), this front door's routing and
+retries, and each replica's engine stats (`ReplicaEngineStats`: host tier pages, retained
+checkpoints). Reads are bounded: a busy or restarting actor gives the last known values."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+
+log = logging.getLogger(__name__)
 
 
 class DoorMetrics(Protocol):
@@ -22,6 +26,39 @@ class DoorMetrics(Protocol):
     def record_transfer_skipped(self) -> None: ...
 
     def attach_cluster_counters(self, read: Callable[[], dict]) -> None: ...
+
+    def attach_replica_engine_stats(self, read: Callable[[], dict[str, dict]]) -> None: ...
+
+
+class ReplicaEngineStats:
+    """Every replica's `engine_stats()`, asked of all at once and awaited at most `timeout_s`
+    (a scrape must not hang on one busy replica): a replica that has not answered gives its last
+    known values, one that left the membership (`MembershipView`) drops out."""
+
+    def __init__(self, replicas, timeout_s: float = 2.0) -> None:
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self._last: dict[str, dict] = {}
+
+    def read(self) -> dict[str, dict]:
+        """{replica id: its engine's stats}."""
+        asked = {}
+        for r, rep in list(self.replicas.replicas.items()):
+            try:
+                asked[r] = rep.actor.engine_stats.remote()
+            except Exception:  # noqa: BLE001 - an actor that cannot be asked: no sample, /metrics still answers
+                log.debug("engine stats of %s not asked", r, exc_info=True)
+        refs = list(asked.values())
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)[0]) if refs else set()
+        last = {r: v for r, v in self._last.items() if r in asked}
+        for r, ref in asked.items():
+            if ref in done:
+                try:
+                    last[r] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead replica: its last values until it is purged
+                    pass
+        self._last = last
+        return dict(last)
 
 
 class ClusterStatus:

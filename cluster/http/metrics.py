@@ -5,6 +5,10 @@ HTTP response (`record_response`). A cluster backend reports its own events thro
 `record_route` and `record_transfer`; it receives this object via `backend.attach_metrics(m)`,
 and may hand over its controller's counts (replica deaths, restarts, replicas serving) through
 `attach_cluster_counters`, read at each scrape. `deploy/grafana/hybridserve.json` charts them.
+
+The engine's gauges (`ENGINE_GAUGES`: retained Mamba checkpoints, the host tier's pages) come from
+a local engine (`attach_engine_stats`: no labels) or from each replica of a cluster
+(`attach_replica_engine_stats`: a `replica` label, one sample per replica), read at each scrape.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ def route_reason(decision, target: str, forced: str | None) -> str:
         return "index_unusable"
     return "prefix_hit" if decision.expected_hit_tokens > 0 else "no_hit"
 
+
+# `hybridserve_engine_<key>`: an engine's `stats()` entries exported as gauges
+ENGINE_GAUGES = {"num_retained_checkpoints": "retained Mamba checkpoints",
+                 "retained_checkpoint_bytes": "bytes of retained Mamba checkpoints",
+                 "max_retained_checkpoint_bytes": "byte budget of retained Mamba checkpoints",
+                 "num_checkpoint_evictions": "retained Mamba checkpoints evicted (budget or pool pressure)",
+                 "num_snapshots_skipped": "Mamba snapshots not taken (worth less than every retained one, or no room)",
+                 "num_host_pages": "pages (KV blocks and Mamba states) held by the host tier",
+                 "num_host_demoted_pages": "pages copied to the host tier as the device evicted them",
+                 "num_host_promoted_pages": "pages copied back from the host tier for a hit",
+                 "num_host_dropped_pages": "pages the host tier evicted to make room"}
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -147,21 +162,16 @@ class Metrics:
         """A planned move not done: the link measured is slower than recomputing (`page_mover`)."""
         self.transfers.labels("skipped_slow_link").inc()
 
-    def attach_engine_stats(self, stats) -> None:
-        """Gauges read from a local engine's `stats()` at each scrape (retained Mamba checkpoints:
-        count, bytes, budget, evictions; skipped snapshots; the host tier's pages and copies)."""
-        names = {"num_retained_checkpoints": "retained Mamba checkpoints",
-                 "retained_checkpoint_bytes": "bytes of retained Mamba checkpoints",
-                 "max_retained_checkpoint_bytes": "byte budget of retained Mamba checkpoints",
-                 "num_checkpoint_evictions": "retained Mamba checkpoints evicted (budget or pool pressure)",
-                 "num_snapshots_skipped": "Mamba snapshots not taken (worth less than every retained one, or no room)",
-                 "num_host_pages": "pages (KV blocks and Mamba states) held by the host tier",
-                 "num_host_demoted_pages": "pages copied to the host tier as the device evicted them",
-                 "num_host_promoted_pages": "pages copied back from the host tier for a hit",
-                 "num_host_dropped_pages": "pages the host tier evicted to make room"}
-        for key, doc in names.items():
+    def attach_engine_stats(self, stats: Callable[[], dict]) -> None:
+        """`ENGINE_GAUGES`, read from a local engine's `stats()` at each scrape."""
+        for key, doc in ENGINE_GAUGES.items():
             gauge = self.engine_gauges[key] = Gauge(f"hybridserve_engine_{key}", doc, registry=self.registry)
             gauge.set_function(lambda key=key: stats().get(key, 0))
+
+    def attach_replica_engine_stats(self, read: Callable[[], dict[str, dict]]) -> None:
+        """`ENGINE_GAUGES` of a cluster's replicas: `read()` at each scrape, {replica id: its
+        engine's stats}; one sample per replica, labelled `replica`."""
+        self.registry.register(ReplicaEngineGauges(read))
 
     def attach_cluster_counters(self, read: Callable[[], dict]) -> None:
         """The cluster controller's `stats()`, `read()` at each scrape: replicas purged as dead or
@@ -190,4 +200,24 @@ class ClusterCounters:
             gauge = GaugeMetricFamily(f"hybridserve_{key}", doc)
             if values.get(key) is not None:
                 gauge.add_metric([], values[key])
+            yield gauge
+
+
+class ReplicaEngineGauges:
+    """A Prometheus collector over each replica's `ENGINE_GAUGES` (they live in the replica
+    actors): a replica that did not answer in time shows its last values, a gone one none."""
+
+    def __init__(self, read: Callable[[], dict[str, dict]]) -> None:
+        self.read = read
+
+    def describe(self):  # the names, without asking the replicas (at registration)
+        return [GaugeMetricFamily(f"hybridserve_engine_{key}", doc, labels=["replica"])
+                for key, doc in ENGINE_GAUGES.items()]
+
+    def collect(self):
+        values = self.read()
+        for key, doc in ENGINE_GAUGES.items():
+            gauge = GaugeMetricFamily(f"hybridserve_engine_{key}", doc, labels=["replica"])
+            for replica_id in sorted(values):
+                gauge.add_metric([replica_id], values[replica_id].get(key, 0))
             yield gauge

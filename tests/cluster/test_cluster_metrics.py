@@ -80,3 +80,23 @@ def test_hit_tokens_by_group_are_each_groups_own_hit_from_the_lookup_report():
     assert [value("hybridserve_prefix_cache_group_hit_tokens_total", {"group": str(g)}) for g in range(3)] == [
         256, 128, 192]
     assert value("hybridserve_prefix_cache_hit_tokens_total") == 128
+
+
+def test_each_replicas_engine_gauges_are_read_at_each_scrape_under_its_label():
+    """A cluster's /metrics: every replica's engine gauges under its own `replica` label, read at
+    each scrape (not at registration: that would ask the replicas before they serve); a key a
+    replica does not report reads 0, a replica gone from the read has no sample. Catches: samples
+    without the label (two replicas collide), values frozen at the first read, a gone replica kept."""
+    stats = {"r0": {"num_host_pages": 5, "num_host_promoted_pages": 2}, "r1": {"num_host_pages": 1}}
+    reads = []
+    m = Metrics()
+    m.attach_replica_engine_stats(lambda: reads.append(1) or stats)
+    assert reads == []
+    value = m.registry.get_sample_value
+    assert value("hybridserve_engine_num_host_pages", {"replica": "r0"}) == 5
+    assert value("hybridserve_engine_num_host_pages", {"replica": "r1"}) == 1
+    assert value("hybridserve_engine_num_host_promoted_pages", {"replica": "r1"}) == 0
+    stats["r0"]["num_host_pages"] = 7
+    del stats["r1"]
+    assert value("hybridserve_engine_num_host_pages", {"replica": "r0"}) == 7
+    assert value("hybridserve_engine_num_host_pages", {"replica": "r1"}) is None
