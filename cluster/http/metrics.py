@@ -205,7 +205,8 @@ class ClusterCounters:
 
 class ReplicaEngineGauges:
     """A Prometheus collector over each replica's `ENGINE_GAUGES` (they live in the replica
-    actors): a replica that did not answer in time shows its last values, a gone one none."""
+    actors): a replica that did not answer in time shows its last values, a gone one none. Every
+    front door exports the same values: aggregate a replica's across doors with max, not sum."""
 
     def __init__(self, read: Callable[[], dict[str, dict]]) -> None:
         self.read = read
