@@ -11,11 +11,10 @@ at equal device memory (issue 29, item 4: choose the split of memory between tie
 
 Columns: hit tokens and hit rate; hit tokens served through the host tier (hits that promoted any
 page: a lower bound on what the tier adds, since a promoted page stays on the device and serves
-later hits as a device page); bytes promoted; modeled TTFT p50 / p90; refused prefills. Read it
-knowing two limits of the tier as built: it keeps KV pages LRU, blind to which Mamba states they
-support, and a demotion is a removal for the global index, so the router does not steer requests
-to a replica's host pages (they hit only where routing sends a request for its device pages or
-its load). Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes.
+later hits as a device page); bytes promoted; modeled TTFT p50 / p90; refused prefills. The
+router sees both tiers (the index keeps host pages per replica) and prices a replica's host tokens
+as its replica would report them (`messages.HostCopyPrice` from the cost model's copy and prefill
+speeds). Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes.
 Writes rows as JSON (--out, or Parquet when it ends in .parquet) and the table (--markdown).
 """
 

@@ -17,8 +17,10 @@ cold one token for token (else the run fails). A warm-up round (not counted) pay
 
 The model is a random-weight checkpoint written at start-up from `--config` (default: the tiny
 NemotronH, M-M*-M-M*- plus an MTP head) unless `--model DIR`, on `--device` (default cpu, with
-`--threads` 1 torch thread). Prints a table with the ratios host / device and host / recompute;
-the report (with every round's row) goes to `--out` (default out/bench-host_tier_ttft.json).
+`--threads` 1 torch thread). Prints a table with the ratios host / device and host / recompute,
+and the engine's own price of the host case's copy (what its replica reports to the router, in
+recomputed tokens) against the copy observed (host TTFT over device TTFT, at the rounds' recompute
+rate); the report (with every round's row) goes to `--out` (default out/bench-host_tier_ttft.json).
 """
 
 from __future__ import annotations
@@ -128,6 +130,22 @@ def ratios(cases: dict[str, dict]) -> dict[str, float]:
             "host_over_recompute": round(host / cases["recompute"]["ttft_ms"], 3)}
 
 
+def price_check(engine, cases: dict[str, dict]) -> dict | None:
+    """The engine's own price of the host case's copy (`HostCopyPrice`, what its replica reports to
+    the router), against what the rounds observed: the host case's TTFT over the device case's,
+    in tokens recomputed at the recompute case's rate. None without a price or a usable rate."""
+    price = engine.host_copy_price()
+    host, device, cold = (cases[c] for c in ("host", "device", "recompute"))
+    saved_ms = cold["ttft_ms"] - device["ttft_ms"]
+    if price is None or saved_ms <= 0 or not device["hit_tokens"]:
+        return None
+    ms_per_token = saved_ms / device["hit_tokens"]
+    return {"priced_tokens": round(price.of(int(host["host_hit_tokens"])), 2),
+            "observed_tokens": round((host["ttft_ms"] - device["ttft_ms"]) / ms_per_token, 2),
+            "copy_bytes_per_s": round(price.bytes_per_s), "fixed": round(price.fixed, 3),
+            "per_token": round(price.per_token, 5)}
+
+
 def table(report: dict) -> str:
     cases = report["cases"]
     lines = [f"{'case':<10} {'TTFT ms':>9} {'hit tok':>8} {'host hit':>8} {'computed':>8} {'promoted':>8} "
@@ -139,6 +157,10 @@ def table(report: dict) -> str:
     r = report["ratios"]
     lines.append(f"host / device {r['host_over_device']:.3f}   host / recompute {r['host_over_recompute']:.3f}   "
                  f"(medians of {report['repeats']}, prompt {report['prompt_len']} tokens, {report['device']})")
+    check = report.get("price")
+    if check is not None:
+        lines.append(f"host copy priced {check['priced_tokens']:g} recomputed tokens by the engine "
+                     f"({check['copy_bytes_per_s'] / 1e9:.2f} GB/s), observed {check['observed_tokens']:g}")
     return "\n".join(lines)
 
 
@@ -153,7 +175,8 @@ def measure(model, prompt_len: int, repeats: int, spec_tokens: int, eagle: str, 
             "num_spec_tokens": spec_tokens, "eagle": eagle if spec_tokens else "off",
             "cache_memory_bytes": engine.config.cache_memory_bytes, "host_cache_bytes": engine.config.host_cache_bytes,
             "num_flood_prompts": [r["host"]["num_flood_prompts"] for r in rounds],
-            "cases": cases, "ratios": ratios(cases), "run_s": round(time.perf_counter() - t0, 1),
+            "cases": cases, "ratios": ratios(cases), "price": price_check(engine, cases),
+            "run_s": round(time.perf_counter() - t0, 1),
             "rounds": [{case: {k: v for k, v in r[case].items() if k != "token_ids"} for case in CASES}
                        for r in rounds]}
 

@@ -35,6 +35,21 @@ class BlockRecord:
 
 
 @dataclass(frozen=True)
+class HostCopyPrice:
+    """What serving part of a hit from a replica's host tier costs there, in prompt tokens that
+    replica would recompute in the same time, measured on the replica: copying an n-token host
+    part (its KV blocks and the Mamba state page that ends it) costs `fixed + per_token * n`
+    recomputed tokens (`workers.engine.host_copy_price`)."""
+
+    fixed: float  # the state pages one hit copies (one per Mamba group)
+    per_token: float  # one token's KV pages (every attention and draft group)
+    bytes_per_s: float  # the host-to-device copy speed it was priced on (shown in /stats)
+
+    def of(self, num_tokens: int) -> float:
+        return self.fixed + self.per_token * num_tokens if num_tokens > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class LoadReportMsg:
     """A replica's own view of its load (several front doors see the same picture)."""
 
@@ -42,6 +57,7 @@ class LoadReportMsg:
     num_requests: int = 0  # accepted, unfinished
     num_free_blocks: int = 0  # attention blocks free or evictable
     num_accepted: int = 0  # requests accepted since start (monotonic: which routed ones arrived)
+    host_copy: HostCopyPrice | None = None  # None: no host tier, or not measured yet (router default)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cache_service.messages import LoadReportMsg
+from cache_service.messages import HostCopyPrice, LoadReportMsg
 
 
 @dataclass
@@ -99,6 +99,11 @@ class LoadBook:
         load = self._loads.get(replica_id)
         return 0 if load is None else load.report.num_requests + len(load.pending)
 
+    def host_copy(self, replica_id: str) -> HostCopyPrice | None:
+        """The replica's last measured price of a host hit (None: never reported one)."""
+        load = self._loads.get(replica_id)
+        return None if load is None else load.report.host_copy
+
     def forget(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
         old = self.current.pop(replica_id, None)
@@ -107,4 +112,13 @@ class LoadBook:
 
     def snapshot(self) -> dict[str, dict]:
         return {r: {"queued_tokens": self.queued_tokens(r), "requests": self.num_requests(r),
-                    "free_blocks": load.report.num_free_blocks} for r, load in self._loads.items()}
+                    "free_blocks": load.report.num_free_blocks, **_price_view(load.report.host_copy)}
+                for r, load in self._loads.items()}
+
+
+def _price_view(price: HostCopyPrice | None) -> dict:
+    """A measured host-hit price as /stats shows it (nothing when none was reported)."""
+    if price is None:
+        return {}
+    return {"host_copy": {"fixed_tokens": round(price.fixed, 3), "tokens_per_token": round(price.per_token, 5),
+                          "bytes_per_s": round(price.bytes_per_s)}}

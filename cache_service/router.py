@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -35,7 +35,7 @@ from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
 from cache_service.link_costs import LinkCostConfig
-from cache_service.messages import ReplicaEstimate, RouteDecision, TransferPlan
+from cache_service.messages import HostCopyPrice, ReplicaEstimate, RouteDecision, TransferPlan
 from cache_service.scorer import AllReplicaScorer
 
 
@@ -54,8 +54,9 @@ class RouterConfig:
     prefill_cost_per_token: float = 1.0  # relative units; only ratios matter
     load_cost_per_queued_token: float = 1.0
     transfer_cost_per_token: float = 0.05  # moving a token's pages vs recomputing it
-    # copying a token's pages from a replica's host tier to its device vs recomputing it (PCIe-class
-    # copies: cheaper than a transfer between replicas, dearer than a device hit's nothing)
+    # copying a token's pages from a replica's host tier to its device vs recomputing it, for a
+    # replica that has not measured its own price yet (each measures and reports one:
+    # `messages.HostCopyPrice`); PCIe-class copies: cheaper than a transfer, dearer than a device hit
     host_cost_per_token: float = 0.02
     min_transfer_tokens: int = 256
     # share of the attention match beyond the reconciled hit credited as saved (a junction forms
@@ -90,6 +91,16 @@ class ReplicaHits:
     any_vouched: bool
     host_tokens: dict[str, int] = field(default_factory=dict)
 
+    def priced(self, prices: Callable[[str], HostCopyPrice | None]) -> dict[str, HostCopyPrice]:
+        """The measured price of each replica with host tokens (`prices`: a replica's last report;
+        those that reported none are absent: the configured price applies)."""
+        out = {}
+        for r in self.host_tokens:
+            price = prices(r)
+            if price is not None:
+                out[r] = price
+        return out
+
 
 class NoReplicaError(RuntimeError):
     """No routable replica (none registered, or all stale/dead)."""
@@ -108,13 +119,14 @@ class Router:
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
               queued_tokens: Mapping[str, int] | None = None, candidates: Collection[str] | None = None,
-              forced: str | None = None) -> RouteDecision:
+              forced: str | None = None, host_prices: Mapping[str, HostCopyPrice] | None = None) -> RouteDecision:
         """`candidates` (default: the keys of `queued_tokens`, else every indexed replica) with
         their load in `queued_tokens` (missing: 0). Candidates the index cannot vouch for (stale,
         unknown) count as hitting nothing. Costs O(blocks + replicas): only replicas that hit
         something are costed one by one; the others differ only in load. `forced` (if a
         candidate) is chosen whatever it costs. The decision's estimates list the chosen replica
-        and the `MAX_ESTIMATES` best holders."""
+        and the `MAX_ESTIMATES` best holders. `host_prices`: each replica's measured price of a
+        host hit (absent: `host_cost_per_token`)."""
         load = queued_tokens if queued_tokens is not None else {}
         if candidates is None:
             candidates = load.keys() if queued_tokens is not None else self.index.replicas.keys()
@@ -123,7 +135,7 @@ class Router:
         if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
             return self.decide(ReplicaHits({}, {}, False), num_prompt_tokens, load, candidates, forced)
         return self.decide(self.hits(hashes, num_prompt_tokens, candidates), num_prompt_tokens, load, candidates,
-                           forced)
+                           forced, host_prices=host_prices)
 
     def hits(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
              candidates: Collection[str] | None) -> ReplicaHits:
@@ -149,11 +161,13 @@ class Router:
 
     def decide(self, scored: ReplicaHits, num_prompt_tokens: int, load: Mapping[str, int],
                candidates: Collection[str], forced: str | None = None,
-               by_load: Iterable[tuple[int, str]] | None = None) -> RouteDecision:
+               by_load: Iterable[tuple[int, str]] | None = None,
+               host_prices: Mapping[str, HostCopyPrice] | None = None) -> RouteDecision:
         """The decision given every candidate's hits (the gather half: `scored` may merge the
         `hits` of several indexes over disjoint replicas). `by_load`: (load, replica) in
         ascending order, every candidate among them (others are skipped): the least loaded
-        replicas are then found without looking at every candidate."""
+        replicas are then found without looking at every candidate. `host_prices`: each
+        replica's measured price of its host tokens (absent: `host_cost_per_token` each)."""
         if not candidates:
             raise NoReplicaError("no routable replica")
         policy = self.policy.value
@@ -163,7 +177,7 @@ class Router:
                     else self._rng.choice(replicas))
             return RouteDecision(pick, policy, 0, ())
         hits, attention, everyone = scored.hit_tokens, scored.attention_tokens, scored.any_vouched
-        host = scored.host_tokens
+        host = {r: self._host_cost(n, (host_prices or {}).get(r)) for r, n in scored.host_tokens.items()}
         special = hits.keys() | attention.keys()
         best_key, best = None, []
         for r in special:
@@ -198,23 +212,33 @@ class Router:
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
         if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
             lightest = min(idle) if idle else None
-            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
+            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits, host)
         return decision
 
-    def _cost(self, num_prompt_tokens: int, hit: int, load: int, match: int = 0, host: int = 0) -> float:
+    def _host_cost(self, num_tokens: int, price: HostCopyPrice | None) -> float:
+        """Copying a hit's `num_tokens` host part to the device: the replica's measured price (in
+        recomputed tokens, priced as prefill), else `host_cost_per_token` a token."""
+        c = self.config
+        if price is None:
+            return num_tokens * c.host_cost_per_token
+        return price.of(num_tokens) * c.prefill_cost_per_token
+
+    def _cost(self, num_prompt_tokens: int, hit: int, load: int, match: int = 0, host: float = 0.0) -> float:
         """`match`: the attention match (a junction forms above `hit`; credited for hybrid only,
-        where the hit is the reconciled one and so can fall short of the match); `host`: tokens
-        of the hit served from the host tier (a copy each, `host_cost_per_token`)."""
+        where the hit is the reconciled one and so can fall short of the match); `host`: the
+        cost of copying the hit's host-tier part to the device (`_host_cost`)."""
         c = self.config
         saved = hit
         if match > hit and self.policy is RoutingPolicy.HYBRID:
             saved += c.junction_credit * (match - hit)
-        return ((num_prompt_tokens - saved) * c.prefill_cost_per_token + host * c.host_cost_per_token
-                + load * c.load_cost_per_queued_token)
+        return (num_prompt_tokens - saved) * c.prefill_cost_per_token + host + load * c.load_cost_per_queued_token
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
-                        best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:
-        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits)."""
+                        best_cost: float, lightest: str | None, hits: Mapping[str, int],
+                        host: Mapping[str, float]) -> RouteDecision:
+        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits);
+        `host`: each holder's cost of copying its hit's host-tier part to its device first (a
+        transfer sends device pages: the holder promotes them)."""
         c = self.config
         holder = max(decision.estimates, key=lambda e: (e.hit_tokens, -e.cost))
         if holder.hit_tokens < c.min_transfer_tokens:
@@ -224,7 +248,7 @@ class Router:
         if dst is None:
             return decision
         cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load.get(dst, 0))
-                + holder.hit_tokens * c.transfer_cost_per_token)
+                + holder.hit_tokens * c.transfer_cost_per_token + host.get(holder.replica_id, 0.0))
         if cost >= best_cost:
             return decision
         plan = TransferPlan(holder.replica_id, dst, holder.hit_tokens)

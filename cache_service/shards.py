@@ -62,7 +62,8 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     if len(shards) > 1:
         loads = {r: q for s in shards for r, q in s.loads.view().items()}
         by_load = heapq.merge(*(s.loads.by_load() for s in shards))
-    decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load)
+    prices = scored.priced(lambda r: shards[shard_of(r, len(shards))].loads.host_copy(r))
+    decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices)
     if not msg.dry_run:
         owner = shards[shard_of(decision.replica_id, len(shards))]
         owner.book(RoutedLoadOp(decision.replica_id, n - decision.expected_hit_tokens + msg.num_output_tokens,

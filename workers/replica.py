@@ -90,7 +90,8 @@ class Replica:
             queued += max(0, req.num_prompt_tokens - req.num_computed_tokens)
             queued += max(0, req.params.max_tokens - len(req.output_token_ids))
         free = engine.cache.num_free_kv_blocks
-        self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted))
+        self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted,
+                                             engine.host_copy_price()))
 
     def _snapshot_for_resync(self) -> CacheSnapshot:
         def take(engine):

@@ -30,6 +30,7 @@ from cache_service.coordinator import HybridCoordinator
 from cache_service.eviction import EvictionConfig
 from cache_service.global_index import GlobalIndex
 from cache_service.ids import replica_id
+from cache_service.messages import HostCopyPrice
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
@@ -101,8 +102,10 @@ class ClusterSim:
         state_page = max((p for g, p in zip(layout.groups, pages) if not g.is_attention), default=1)
         self.index = GlobalIndex(len(layout.groups))
         ids = [replica_id(i) for i in range(settings.num_replicas)]
+        self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(layout.groups, pages) if g.is_attention)
         self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
-                                  settings.cost.prefill_tokens_per_s, settings.seed, settings.router)
+                                  settings.cost.prefill_tokens_per_s, settings.seed, settings.router,
+                                  self._host_price())
         self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
         scale = settings.num_replicas if self.policy.shared_cache else 1  # the oracle: one cache of R budgets
         blocks = settings.layout.pool_blocks(settings.budget_bytes * scale, settings.mamba_fraction)
@@ -120,9 +123,18 @@ class ClusterSim:
         self.num_host_pages_per_group = host
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
-        groups = layout.groups
         self._hashers: dict[int, TraceHasher] = {}  # per trace block size
-        self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(groups, pages) if g.is_attention)
+
+    def _host_price(self) -> HostCopyPrice | None:
+        """What each replica would report for a host hit (`messages.HostCopyPrice`): the cost
+        model's copy seconds of a hit's state pages and of one token's KV pages, in prefill tokens;
+        None without a host tier."""
+        cost = self.settings.cost
+        if not self.settings.host_bytes:
+            return None
+        scale = cost.prefill_tokens_per_s / cost.host_to_device_bytes_per_s
+        return HostCopyPrice(self._state_bytes * scale, self._attention_bytes_per_token * scale,
+                             cost.host_to_device_bytes_per_s)
 
     def _publish_until(self, now: float) -> None:
         pending = self._pending

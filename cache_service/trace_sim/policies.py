@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from cache_service.block_hash import BlockHash
 from cache_service.coordinator import HybridCoordinator
 from cache_service.global_index import GlobalIndex
+from cache_service.messages import HostCopyPrice
 from cache_service.router import Router, RouterConfig, RoutingPolicy
 from cache_service.scorer import AllReplicaScorer
 from cache_service.trace_sim.prefill_queue import PrefillQueue
@@ -42,8 +43,12 @@ class SimPolicy(ABC):
     shared_cache = False
 
     def __init__(self, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                 tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> None:
+                 tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None,
+                 host_price: HostCopyPrice | None = None) -> None:
+        """`host_price`: what each replica would report for a host hit (`messages.HostCopyPrice`, from
+        the cost model's copy and prefill speeds); None: no host tier."""
         self.index = index
+        self.host_prices = {r: host_price for r in replica_ids} if host_price is not None else None
         self.router_config = router or RouterConfig()
         self.coordinator = coordinator
         self.replica_ids = list(replica_ids)
@@ -76,7 +81,8 @@ class RouterPolicy(SimPolicy):
         self.router = Router(self.index, self.coordinator, policy, self.router_config)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
-        decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now))
+        decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now),
+                                     host_prices=self.host_prices)
         plan = decision.transfer
         if plan is not None:
             return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)
@@ -132,8 +138,9 @@ class Oracle(SimPolicy):
 
 
 def make_policy(name: str, index: GlobalIndex, coordinator: HybridCoordinator, replica_ids: Sequence[str],
-                tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None) -> SimPolicy:
-    args = (index, coordinator, replica_ids, tokens_per_s, seed, router)
+                tokens_per_s: float, seed: int = 0, router: RouterConfig | None = None,
+                host_price: HostCopyPrice | None = None) -> SimPolicy:
+    args = (index, coordinator, replica_ids, tokens_per_s, seed, router, host_price)
     if name in ("hybrid", "attention_overlap", "round_robin"):
         return RouterPolicy(*args, policy=RoutingPolicy(name))
     table = {"power_of_two": PowerOfTwo, "ray_serve_prefix_affinity": RayServePrefixAffinity, "oracle": Oracle}

@@ -16,6 +16,7 @@ from it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -168,7 +169,10 @@ class EngineCacheManager:
         if not req.num_preemptions:  # classified before admitting: taking pages may evict what the probes read
             reason = classify_miss(self.coordinator, probes, hit, self.evicted)
             req.cache_report = LookupReport.of(req.num_prompt_tokens, hit, probes, reason)
+        start = time.perf_counter()
         promoted = self.groups.admit(rid, req.hashes, length, positions)
+        if any(promoted):  # what a host hit costs here (the router's price: host_copy_price.py)
+            self.host_pages.observe_promotion(promoted, time.perf_counter() - start)
         self._covered.pop(rid, None)
         req.num_restored_tokens = req.num_computed_tokens = length
         if not req.num_preemptions:

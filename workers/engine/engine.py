@@ -12,6 +12,7 @@ greedily, so outputs equal non-speculative greedy decoding.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,7 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.coordinator import EagleMode
 from cache_service.events import EventSink
 from cache_service.ids import new_request_id
+from cache_service.messages import HostCopyPrice
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
@@ -150,6 +152,11 @@ class LLMEngine:
                 "num_waiting": len(sched.waiting), "num_free_kv_blocks": self.cache.num_free_kv_blocks,
                 **self.cache.stats()}
 
+    def host_copy_price(self) -> HostCopyPrice | None:
+        """A host hit's measured price here (`host_copy_price.py`); None: no host tier, or not
+        measured yet."""
+        return self.cache.host_pages.meter.price() if self.cache.host_pages is not None else None
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         ids = [self.add_request(p, params, cache_salt=cache_salt) for p in prompts]
@@ -168,6 +175,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        start = time.perf_counter()
         batch = build_batch(scheduled, self.cache, self.pending_drafts)
         self.num_computed_prompt_tokens += batch.num_prompt_tokens
         hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # None: not a graph's
@@ -186,6 +194,8 @@ class LLMEngine:
             if draft_input is not None:
                 draft_inputs.append(draft_input)
         self.state_copies.flush()
+        if self.cache.host_pages is not None:  # the recompute half of a host hit's price (host_copy_price.py)
+            self.cache.host_pages.meter.observe_step(row, batch.num_prompt_tokens, time.perf_counter() - start)
         if self.drafter is not None:
             live = [d for d in draft_inputs if d.req.status is not RequestStatus.FINISHED]
             self._take_drafts(self.drafter.run(live))

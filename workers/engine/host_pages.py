@@ -9,14 +9,22 @@
 CUDA device the host rows are pinned and every copy is issued non-blocking on the current stream:
 it is ordered with the forward passes that read or overwrite the device page, and the host never
 waits on it (the host never reads these rows itself). On the CPU a copy is a memcpy.
+
+Copies back to the device are measured where the host can time them (`host_copy_price.py`): a
+probe of one page per group when the rows are made, then each admission that promotes (on the CPU).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from cache_service.specs import CacheLayout
 from workers.engine.errors import EngineConfigError
+from workers.engine.host_copy_price import HostCopyMeter
+
+PROBE_ROUNDS = 3
 
 
 def _mirror(t: torch.Tensor, rows: int, pin: bool) -> torch.Tensor:
@@ -46,6 +54,8 @@ class HostPages:
                          if n_draft else {})
         self.conv = {i: _mirror(t, n_state, pin) for i, t in conv.items()} if n_state else {}
         self.ssm = {i: _mirror(t, n_state, pin) for i, t in ssm.items()} if n_state else {}
+        self.meter = HostCopyMeter(*self.hit_bytes())
+        self.probe()
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +77,42 @@ class HostPages:
             pairs.append((self.device_sidecar, self.sidecar))
         return pairs
 
+    def page_bytes(self, group_id: int) -> int:
+        """The bytes one page of group `group_id` copies (0: no host rows for it)."""
+        if not self.num_slots[group_id]:
+            return 0
+        return sum(host[0].numel() * host.element_size() for _, host in self._pairs(group_id))
+
+    def hit_bytes(self) -> tuple[int, float]:
+        """(bytes a hit's host part copies whatever its length: one state page per Mamba group,
+        bytes per token of it: every attention group's page over its block size)."""
+        fixed, per_token = 0, 0.0
+        for g, spec in enumerate(self.layout.groups):
+            if spec.kind == "mamba":
+                fixed += self.page_bytes(g)
+            else:
+                per_token += self.page_bytes(g) / spec.block_size
+        return fixed, per_token
+
+    def probe(self) -> None:
+        """Time copying one page of every group host -> device scratch (`PROBE_ROUNDS` times,
+        synchronised): the copy speed before any promotion is seen."""
+        pairs = [pair for g in range(len(self.num_slots)) if self.num_slots[g] for pair in self._pairs(g)]
+        if not pairs:
+            return
+        scratch = [torch.empty_like(device[0]) for device, _ in pairs]
+        num_bytes = sum(host[0].numel() * host.element_size() for _, host in pairs) * PROBE_ROUNDS
+        cuda = self._non_blocking
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(PROBE_ROUNDS):
+            for out, (_, host) in zip(scratch, pairs):
+                out.copy_(host[0], non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        self.meter.observe_copy(num_bytes, time.perf_counter() - start)
+
     def save_page(self, group_id: int, block_id: int, slot: int) -> None:
         for device, host in self._pairs(group_id):
             host[slot].copy_(device[block_id], non_blocking=self._non_blocking)
@@ -74,3 +120,10 @@ class HostPages:
     def load_page(self, group_id: int, slot: int, block_id: int) -> None:
         for device, host in self._pairs(group_id):
             device[block_id].copy_(host[slot], non_blocking=self._non_blocking)
+
+    def observe_promotion(self, num_pages: tuple[int, ...], seconds: float) -> None:
+        """An admission that promoted `num_pages` per group took `seconds` (its copies, the
+        demotions that made room, the bookkeeping): a sample of what a host hit costs here. On
+        CUDA the copies run on the stream after the host returns: only the probe's figure stands."""
+        if not self._non_blocking:
+            self.meter.observe_copy(sum(n * self.page_bytes(g) for g, n in enumerate(num_pages)), seconds)
