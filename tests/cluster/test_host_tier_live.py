@@ -27,6 +27,7 @@ import time
 
 import httpx
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import load_config
@@ -176,13 +177,15 @@ def test_a_prefix_pushed_off_the_device_is_served_from_the_host_tier(ray_session
     byte-for-byte page checks are tests/engine/test_host_tier.py's), replica host gauges missing
     from a cluster's /metrics or filed under the wrong replica; and for the transfer: a sender
     that only looks at its device (nothing to send: B recomputes, hit 0), host pages sent without
-    promotion (A's promoted gauge stays), wrong or stale pages sent (B's 4 tokens differ)."""
+    promotion (A's promoted gauge stays), wrong or stale pages sent (B's 4 tokens differ); a
+    replica whose load reports do not carry its measured host-hit price."""
     with serving(tiny_dir, "ray", k, eagle, HOST_CACHE_BYTES) as (url, server):
         steps, explained = run_traffic(url, server)
         (cold, _, _), (flood, _, _) = steps[0], steps[1]
         holder = [key.removeprefix("replica=") for key in growth(*steps[0][1:]) if key.startswith("replica=")]
         assert len(holder) == 1, steps[0]
         moved, served_by, moved_growth = force_elsewhere(url, server, FLOODS[0], holder[0])
+        loads = ray.get(server.backend.routing.service.stats.remote(), timeout=30)["loads"]
     (a,), b = holder, served_by
     for _, before, after in steps:  # every request on P's replica
         assert {key for key in growth(before, after) if key.startswith("replica=")} == {f"replica={a}"}
@@ -205,6 +208,10 @@ def test_a_prefix_pushed_off_the_device_is_served_from_the_host_tier(ray_session
     assert moved_growth["reason=forced"] == 1 and moved_growth["transfers=ok"] == 1
     assert moved_growth["transfer_bytes"] > 0 and moved_growth[f"num_host_promoted_pages@{a}"] > 0
     assert f"num_host_promoted_pages@{b}" not in moved_growth  # a device hit on B, not a promotion
+    # A measured its own price of a host hit and reported it with its load: the router prices A's
+    # host tokens by it (`HostCopyPrice`; the unit tests check the routing on it)
+    price = loads[a]["host_copy"]
+    assert price["fixed_tokens"] > 0 and price["tokens_per_token"] > 0 and price["bytes_per_s"] > 0
     # the control: the same traffic, the same device, no host tier
     with serving(tiny_dir, "inprocess", k, eagle, 0) as (url, server):
         plain, plain_explained = run_traffic(url, server)
