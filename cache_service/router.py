@@ -212,7 +212,7 @@ class Router:
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
         if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
             lightest = min(idle) if idle else None
-            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits, host)
+            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
         return decision
 
     def _host_cost(self, num_tokens: int, price: HostCopyPrice | None) -> float:
@@ -234,11 +234,11 @@ class Router:
         return (num_prompt_tokens - saved) * c.prefill_cost_per_token + host + load * c.load_cost_per_queued_token
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
-                        best_cost: float, lightest: str | None, hits: Mapping[str, int],
-                        host: Mapping[str, float]) -> RouteDecision:
-        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits);
-        `host`: each holder's cost of copying its hit's host-tier part to its device first (a
-        transfer sends device pages: the holder promotes them)."""
+                        best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:
+        """`lightest`: the least loaded replica that hits nothing (None: every candidate hits).
+        A holder whose hit sits on its host tier promotes the pages to send them; that copy is not
+        added here: `transfer_cost_per_token` already prices a move above what the simulator's
+        links cost, and adding it lost hit tokens there (README, "Host tier")."""
         c = self.config
         holder = max(decision.estimates, key=lambda e: (e.hit_tokens, -e.cost))
         if holder.hit_tokens < c.min_transfer_tokens:
@@ -248,7 +248,7 @@ class Router:
         if dst is None:
             return decision
         cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load.get(dst, 0))
-                + holder.hit_tokens * c.transfer_cost_per_token + host.get(holder.replica_id, 0.0))
+                + holder.hit_tokens * c.transfer_cost_per_token)
         if cost >= best_cost:
             return decision
         plan = TransferPlan(holder.replica_id, dst, holder.hit_tokens)

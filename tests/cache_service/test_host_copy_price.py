@@ -44,8 +44,8 @@ def test_a_replicas_measured_price_replaces_the_configured_one():
     """`dev` against `host` (no third replica: no transfer competes). Configured 0.02 a token:
     copying the 256 host tokens costs 5.12, so `dev` 6 tokens busier loses to `host`. Measured
     40 + 0.1 a token (65.6): `dev` 60 busier still wins, 70 busier loses. Against the idle
-    `cold`: a cheap price copies; one dearer than recomputing (1.5 a token) loses to `cold`,
-    and a transfer from `host` pays the copy too, so nothing moves."""
+    `cold`: a cheap price copies; one dearer than recomputing (1.5 a token) sends the request to
+    `cold` with the pages moved there."""
     index, coord, hashes = three_replicas()
     router = Router(index, coord, "hybrid", RouterConfig(host_cost_per_token=0.02))
     assert router.route(hashes.hashes, 300, {"dev": 6, "host": 0}).replica_id == "host"
@@ -56,12 +56,13 @@ def test_a_replicas_measured_price_replaces_the_configured_one():
     assert picked.replica_id == "host" and picked.transfer is None
     assert {e.replica_id: e.cost for e in picked.estimates}["host"] == pytest.approx(300 - 256 + 65.6)
     dear = {"host": HostCopyPrice(0.0, 1.5, 1e6)}
-    cheap = router.route(hashes.hashes, 300, {"host": 0, "cold": 0}, host_prices={"host": HostCopyPrice(0, 0.5, 1)})
-    # 44 + 128 beats recomputing 300 at `cold`, and moving the pages there (which copies them to
-    # `host`'s device first: 44 + 12.8 + 128)
-    assert cheap.replica_id == "host" and cheap.transfer is None
-    recompute = router.route(hashes.hashes, 300, {"host": 0, "cold": 0}, host_prices=dear)
-    assert recompute.replica_id == "cold" and recompute.transfer is None  # 300 < 44 + 384 (+ 12.8 moved)
+    both = {"host": 0, "cold": 0}
+    cheap = router.route(hashes.hashes, 300, both, host_prices={"host": HostCopyPrice(0, 0.04, 1)})
+    assert cheap.replica_id == "host" and cheap.transfer is None  # 44 + 10.24 beats moving (44 + 12.8 at cold)
+    # dearer than recomputing: `host` (44 + 384) loses to `cold`, which gets the pages moved (44 + 12.8)
+    moved = router.route(hashes.hashes, 300, both, host_prices=dear)
+    assert moved.replica_id == "cold" and moved.transfer is not None and moved.transfer.src_replica == "host"
+    assert router.route(hashes.hashes, 300, both).replica_id == "host"  # the configured 5.12
     # a price for a replica without host tokens changes nothing (its device hit costs no copy)
     assert router.route(hashes.hashes, 300, {"dev": 0, "host": 0},
                         host_prices={"dev": HostCopyPrice(1e6, 1e6, 1.0)}).replica_id == "dev"
