@@ -10,6 +10,9 @@ routed by the real `GlobalIndex` + `Router`, with a simple prefill/decode cost m
     prefill_queue.py  a replica's compute in simulated time and the load it reports
     policies.py  routing policies (the real Router plus power_of_two, Ray Serve affinity, oracle)
     engine.py    the simulated-time loop and per-request records
+    step_timeline.py  the stepped decode model: a replica's steps (decodes + prefill chunks), ITLs
+    pd_split.py  prefill/decode roles: the split, hand-off bytes, the decode replica's choice
+    stepped_engine.py the loop under the stepped model (mixed or split), records at the end
     summary.py   the summary JSON of one run
     value_retention.py  byte-budgeted retention by expected value (value:BYTES)
     plots.py     hit rate, TTFT CDF and memory split per policy

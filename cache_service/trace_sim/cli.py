@@ -4,6 +4,8 @@
         --layout nemotron-nano-9b-v2 --policy hybrid --retention latest --eagle off \
         --out runs/sim-hybrid.json [--parquet runs/sim-hybrid.parquet] [--plot runs/sim.png] \
         [--host-memory-gib 80]   # a host tier under each replica's pools (promotions priced in TTFT)
+        [--decode-model stepped] # decode steps: prefill chunks stall them, per-token latencies (ITL)
+        [--pd-split 10:6]        # 10 prefill + 6 decode replicas, hand-offs priced (stepped)
 
 Writes a summary JSON (and per-request Parquet with --parquet); `--policy all` runs every policy
 on the same trace and adds each one's hit tokens as a ratio of the oracle's.
@@ -22,8 +24,10 @@ from cache_service.eviction import EVICTION_NAMES, EvictionConfig
 from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
 from cache_service.trace_sim.config import SimConfigError, SimLayout, load_cost_model, load_layout
-from cache_service.trace_sim.engine import ClusterSim, SimSettings, record_dict
+from cache_service.trace_sim.engine import DECODE_MODELS, SimSettings, record_dict
+from cache_service.trace_sim.pd_split import PdSplit
 from cache_service.trace_sim.policies import POLICY_NAMES
+from cache_service.trace_sim.stepped_engine import make_cluster_sim
 from cache_service.trace_sim.summary import summarize
 from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
 from cache_service.trace_sim.tuning import tune_marconi_alpha
@@ -64,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="cut longer prompts (prefix kept)")
     p.add_argument("--junction-credit", type=float, default=RouterConfig().junction_credit,
                    help="hybrid router: share of the attention match beyond the hit credited as saved")
+    p.add_argument("--decode-model", default=None, choices=DECODE_MODELS,
+                   help="independent (default without --pd-split): decode beside each prefill queue; stepped: "
+                        "decode steps that prefill chunks stall (step_timeline.py), with inter-token latencies")
+    p.add_argument("--pd-split", default=None, metavar="P:D",
+                   help="P prefill + D decode replicas (P + D = --replicas; stepped model); absent: mixed replicas")
     p.add_argument("--out", default=None, help="summary JSON path (default: stdout only)")
     p.add_argument("--parquet", default=None, help="per-request records (one file; 'all' adds a policy column)")
     p.add_argument("--plot", default=None, help="PNG: hit rate, TTFT CDF and memory split per policy")
@@ -91,12 +100,14 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
         layout=layout, cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
         policy=policy, budget_bytes=budget, retention=args.retention, eviction=eviction, eagle=args.eagle,
         mamba_fraction=args.mamba_fraction, host_bytes=host, seed=args.seed,
-        router=RouterConfig(junction_credit=args.junction_credit))
+        router=RouterConfig(junction_credit=args.junction_credit),
+        decode_model=args.decode_model or ("stepped" if args.pd_split else "independent"),
+        pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None)
     alpha_scores = None
     if eviction == "marconi":  # no alpha given: tuned on the trace's first 10%, as the paper does
         alpha, alpha_scores = tune_marconi_alpha(settings, requests)
         settings = replace(settings, eviction=f"marconi:{alpha}")
-    sim = ClusterSim(settings)
+    sim = make_cluster_sim(settings)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm

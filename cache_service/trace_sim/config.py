@@ -67,6 +67,12 @@ class CostModel:
     transfer_bytes_per_s: float
     # host tier -> device copies (promotion); None: not in the YAML, so no host tier can be simulated
     host_to_device_bytes_per_s: float | None = None
+    # the stepped decode model (step_timeline.py; `--decode-model stepped`, `--pd-split`): a step
+    # with D decoding sequences costs decode_step_s + D * decode_per_seq_s, and carries at most
+    # step_token_budget tokens (one per decoding sequence first, prefill chunks in the rest: the
+    # engine's max_num_batched_tokens); None: not in the YAML, so the stepped model is refused
+    decode_per_seq_s: float = 0.0
+    step_token_budget: int | None = None
 
     def prefill_s(self, num_tokens: int) -> float:
         return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
@@ -127,12 +133,18 @@ def load_cost_model(name: str, path: Path | None = None) -> CostModel:
         # them (SimSettings) instead of assuming a bandwidth
         if entry.get("host_to_device_bytes_per_s") is not None:
             values["host_to_device_bytes_per_s"] = float(entry["host_to_device_bytes_per_s"])
+        if entry.get("decode_per_seq_s") is not None:  # optional as well (the stepped model)
+            values["decode_per_seq_s"] = float(entry["decode_per_seq_s"])
+        if entry.get("step_token_budget") is not None:
+            values["step_token_budget"] = int(entry["step_token_budget"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SimConfigError(f"{path}: cost model {name!r}: missing or bad field {exc}") from None
     throughputs = [values[f] for f in ("prefill_tokens_per_s", "transfer_bytes_per_s", "host_to_device_bytes_per_s")
                    if f in values]
     if any(v <= 0 for v in throughputs):
         raise SimConfigError(f"{path}: cost model {name!r}: throughputs must be positive")
-    if values["prefill_overhead_s"] < 0 or values["decode_step_s"] < 0:
+    if values["prefill_overhead_s"] < 0 or values["decode_step_s"] < 0 or values.get("decode_per_seq_s", 0.0) < 0:
         raise SimConfigError(f"{path}: cost model {name!r}: times must be >= 0")
+    if values.get("step_token_budget", 1) < 1:
+        raise SimConfigError(f"{path}: cost model {name!r}: step_token_budget must be >= 1")
     return CostModel(name, **values)

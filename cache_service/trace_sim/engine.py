@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cache_service.block_hash import RequestBlockHashes
-from cache_service.coordinator import HybridCoordinator
+from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.eviction import EvictionConfig
 from cache_service.global_index import GlobalIndex
 from cache_service.ids import replica_id
@@ -35,11 +35,14 @@ from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.config import CostModel, SimLayout
 from cache_service.trace_sim.hashing import TraceHasher
+from cache_service.trace_sim.pd_split import PdSplit
 from cache_service.trace_sim.policies import Choice, make_policy
 from cache_service.trace_sim.prefill_queue import PrefillQueue
 from cache_service.trace_sim.replica import SimReplica
 from cache_service.trace_sim.trace import TraceRequest
 from cache_service.trace_sim.value_retention import parse_value_retention
+
+DECODE_MODELS = ("independent", "stepped")
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,27 @@ class SimSettings:
     host_bytes: int = 0  # host-tier memory per replica, split as budget_bytes is (0: no host tier)
     seed: int = 0
     router: RouterConfig = RouterConfig()  # the live defaults (junction credit included)
+    # independent: a prefill queue per replica, decode beside it (prefill_queue.py); stepped:
+    # decode steps with interference and per-token latencies (step_timeline.py, stepped_engine.py)
+    decode_model: str = "independent"
+    pd_split: PdSplit | None = None  # prefill and decode replicas (stepped only); None: mixed
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
+        if self.decode_model not in DECODE_MODELS:
+            raise ValueError(f"--decode-model must be one of {', '.join(DECODE_MODELS)}, got {self.decode_model!r}")
+        if self.decode_model == "stepped" and self.cost.step_token_budget is None:
+            raise ValueError(f"cost model {self.cost.name!r} has no step_token_budget: add it "
+                             "(configs/sim/cost.yaml) to simulate decode steps")
+        if self.pd_split is not None:
+            if self.decode_model != "stepped":
+                raise ValueError("--pd-split needs the stepped decode model")
+            if self.pd_split.num_replicas != self.num_replicas:
+                raise ValueError(f"--pd-split {self.pd_split} has {self.pd_split.num_replicas} replicas, "
+                                 f"--replicas is {self.num_replicas}")
+            if self.policy == "oracle":
+                raise ValueError("--pd-split: the oracle's one shared cache has no prefill/decode roles")
         if not 0.0 < self.mamba_fraction < 1.0:
             raise ValueError(f"--mamba-fraction must be in (0, 1), got {self.mamba_fraction}")
         if self.budget_bytes <= 0:
@@ -88,6 +108,18 @@ class RequestRecord:
     promoted_bytes: int = 0  # bytes copied back from the host tier for the hit (priced in ttft_s)
 
 
+@dataclass(frozen=True)
+class Served:
+    """The cache side of serving one request (`ClusterSim.serve`), before any compute is priced."""
+
+    hit: HitResult
+    num_prefill_tokens: int  # the prompt tokens past the hit: recomputed
+    num_moved: int  # tokens whose pages a transfer moved here first
+    transfer_s: float  # that transfer's seconds (paid before the prefill)
+    promoted_bytes: int  # host-tier bytes copied back for the hit (and the transfer's source)
+    junctions: tuple[int, ...]
+
+
 class ClusterSim:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
@@ -102,11 +134,13 @@ class ClusterSim:
         state_page = max((p for g, p in zip(layout.groups, pages) if not g.is_attention), default=1)
         self.index = GlobalIndex(len(layout.groups))
         ids = [replica_id(i) for i in range(settings.num_replicas)]
+        self.replica_ids = ids
+        routed = ids[: settings.pd_split.num_prefill] if settings.pd_split is not None else ids  # the prefill side
         self._attention_bytes_per_token = sum(p / g.block_size for g, p in zip(layout.groups, pages) if g.is_attention)
-        self.policy = make_policy(settings.policy, self.index, self.coordinator, ids,
+        self.policy = make_policy(settings.policy, self.index, self.coordinator, routed,
                                   settings.cost.prefill_tokens_per_s, settings.seed, settings.router,
                                   self._host_price())
-        self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in ids]
+        self.queues = [PrefillQueue(settings.cost.decode_step_s) for _ in routed]
         scale = settings.num_replicas if self.policy.shared_cache else 1  # the oracle: one cache of R budgets
         blocks = settings.layout.pool_blocks(settings.budget_bytes * scale, settings.mamba_fraction)
         host = settings.layout.host_pages(settings.host_bytes * scale, settings.mamba_fraction)
@@ -160,14 +194,32 @@ class ClusterSim:
         """`forced_replica`: serve there instead of asking the policy (replaying a live cluster's
         placements, e.g. to compare hits with it); as the live front door does for a forced
         target, the pages of a replica that hits more are moved there first."""
+        if self.settings.decode_model != "independent":
+            raise ValueError("stepped settings need stepped_engine.make_cluster_sim")
         now = req.arrival_s
         self._publish_until(now)
         hashes = self._hash(req)
-        n = req.input_length
         if forced_replica is not None:
-            choice = self._forced(hashes, n, forced_replica)
+            choice = self._forced(hashes, req.input_length, forced_replica)
         else:
-            choice = self.policy.choose(hashes.hashes, n, self.queues, now)
+            choice = self.policy.choose(hashes.hashes, req.input_length, self.queues, now)
+        served = self.serve(req, hashes, choice)
+        cost = self.settings.cost
+        first, finish = self.queues[choice.replica].admit(
+            now, cost.prefill_s(served.num_prefill_tokens) + served.transfer_s + cost.promote_s(served.promoted_bytes),
+            cost.decode_s(req.output_length), served.num_prefill_tokens)
+        heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, served.hit.hit_tokens,
+                                       req.input_length, served.junctions))
+        return RequestRecord(req.index, now, choice.replica, req.input_length, req.output_length,
+                             served.hit.hit_tokens, served.hit.attention_match_tokens, served.num_moved,
+                             first - now, finish, served.hit.hit_tokens if served.promoted_bytes else 0,
+                             served.promoted_bytes)
+
+    def serve(self, req: TraceRequest, hashes: RequestBlockHashes, choice: Choice) -> Served:
+        """The cache side of serving `req` on `choice.replica`: the planned transfer (pages stored
+        on the destination), the hit there and what promoting it copies; mutates the caches (and
+        the value retention's statistics), not the compute."""
+        n = req.input_length
         cache = self.caches[choice.replica]
         transfer_s = 0.0
         num_moved = 0
@@ -187,14 +239,7 @@ class ClusterSim:
         promoted += cache.promoted_bytes(hashes, hit.hit_tokens)
         if self.value_retention is not None:
             self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
-        first, finish = self.queues[choice.replica].admit(
-            now, cost.prefill_s(n - hit.hit_tokens) + transfer_s + cost.promote_s(promoted),
-            cost.decode_s(req.output_length), n - hit.hit_tokens)
-        junctions = self.coordinator.junctions(hit)
-        heapq.heappush(self._pending, (first, next(self._seq), choice.replica, hashes, hit.hit_tokens, n, junctions))
-        return RequestRecord(req.index, now, choice.replica, n, req.output_length, hit.hit_tokens,
-                             hit.attention_match_tokens, num_moved, first - now, finish,
-                             hit.hit_tokens if promoted else 0, promoted)
+        return Served(hit, n - hit.hit_tokens, num_moved, transfer_s, promoted, self.coordinator.junctions(hit))
 
     def run(self, requests: Iterable[TraceRequest],
             on_step: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:

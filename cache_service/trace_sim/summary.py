@@ -9,6 +9,10 @@ turnover, load balance.
                         (part of num_hit_tokens); promoted_bytes: what those promotions copied (the
                         TTFT pays it at host_to_device_bytes_per_s); host_pages_*: the tiers' own
                         counters (demoted, promoted, dropped), summed over distinct caches
+    stepped model       (`--decode-model stepped`, `--pd-split`; absent otherwise) itl_s: inter-
+                        token latencies over every token of every request; output_tokens_per_s:
+                        output tokens over the span from the first arrival to the last token;
+                        handoff_bytes: what the hand-offs moved (split)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from cache_service.trace_sim.engine import ClusterSim, RequestRecord
+from cache_service.trace_sim.stepped_engine import SteppedClusterSim, SteppedRecord
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -84,4 +89,30 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
         "num_refused_prefills": sum(c.num_refused_prefills for c in distinct),
         "wall_s": wall_s,
         "simulated_requests_per_s": len(records) / wall_s if wall_s > 0 else 0.0,
+        **(stepped_summary(sim, records) if isinstance(sim, SteppedClusterSim) else {}),
+    }
+
+
+def stepped_summary(sim: SteppedClusterSim, records: Sequence[SteppedRecord]) -> dict:
+    """The stepped model's latencies, throughput and hand-offs (the module doc)."""
+    itl = sorted(sim.itl_samples)
+    split = sim.settings.pd_split
+    span = max((r.finish_s for r in records), default=0.0) - min((r.arrival_s for r in records), default=0.0)
+    num_output = sum(r.output_tokens for r in records)
+    handed = [r for r in records if r.decode_replica >= 0]
+    return {
+        "decode_model": sim.settings.decode_model,
+        "pd_split": str(split) if split is not None else None,
+        "num_finished": len(records),
+        "num_output_tokens": num_output,
+        "itl_s": {
+            "mean": sum(itl) / len(itl) if itl else 0.0,
+            "p50": percentile(itl, 50), "p90": percentile(itl, 90), "p99": percentile(itl, 99),
+            "max": itl[-1] if itl else 0.0,
+        },
+        "output_tokens_per_s": num_output / span if span > 0 else 0.0,
+        "num_handoffs": len(handed),
+        "handoff_bytes": sim.num_handoff_bytes,
+        "handoff_s_mean": sum(r.handoff_s for r in handed) / len(handed) if handed else 0.0,
+        "num_steps": sum(t.num_steps for t in sim.timelines),
     }
