@@ -26,6 +26,7 @@ from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
+from workers.engine.handoff import Handoff, HandoffImport, export_request, import_request
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -141,6 +142,17 @@ class LLMEngine:
         self.results.finish(req, FinishReason.ABORT)
         self.requests.pop(request_id, None)
         return True
+
+    def export_request(self, request_id: str) -> Handoff:
+        """Hand `request_id` off (prefill/decode disaggregation, `handoff.py`): its package for
+        another engine's `import_request`; it finishes here as HANDOFF (its blocks stay cached).
+        Between steps, after the step that emitted its first token."""
+        return export_request(self, request_id)
+
+    def import_request(self, handoff: Handoff) -> HandoffImport:
+        """Continue a request another engine exported: admitted through this engine's prefix
+        cache (only the pages it lacks are written), decoding from the next step."""
+        return import_request(self, handoff)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -9,6 +9,12 @@ class EngineConfigError(ValueError):
     """The engine configuration cannot work (pools too small for one request, bad sizes)."""
 
 
+class HandoffError(ValueError):
+    """A request cannot be handed from one engine to another (`workers/engine/handoff.py`): the
+    engines differ (model, block sizes, EAGLE mode, spec tokens), the request has not finished its
+    prefill, or the receiving engine has no room for it now."""
+
+
 class ServerOverloadedError(RuntimeError):
     """Queues are full: retry after `retry_after_s` seconds (HTTP 429 with Retry-After)."""
 

@@ -22,6 +22,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    HANDOFF = "handoff"  # handed to another engine, which finishes it (`handoff.py`); kept as a finish
 
 
 @dataclass

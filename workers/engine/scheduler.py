@@ -71,6 +71,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Take `req` as running, its pages already held (a request handed over by another engine,
+        `handoff.py`): it decodes from the next step, in priority order."""
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._priority)
+
     def remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)

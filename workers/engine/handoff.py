@@ -1,0 +1,287 @@
+"""Prefill/decode disaggregation, engine level (issue 31): a running request handed from the engine
+that prefilled it to another that decodes it, byte-exact, in process.
+
+    engine A   export_request(engine, rid) -> Handoff     after the step that emitted the first token
+                                                            (and ran the drafter); A then finishes the
+                                                            request as HANDOFF: its blocks stay cached
+    engine B   import_request(engine, handoff) -> HandoffImport   admitted through B's own lookup;
+                                                            B's next step decodes (or verifies) it
+
+A `Handoff` is plain tensors plus one small frozen `HandoffMeta`, so a later transport can send it
+over the page-transfer channel (`workers/transfer.py`). Its pages, per cache group, one tensor per
+`page_tensors(cache, group)` entry, row j of each being:
+
+    full    target KV block j of the request, j < ceil(num_computed / block_size) (the partial last
+            block included), with its lossless-EAGLE sidecar row when the engine keeps one
+    mamba   row 0: the working state (conv + ssm after num_computed tokens); rows 1..: the
+            decode-boundary states kept for the next chat turn (`HandoffMeta.boundary_positions`)
+    draft   MTP-layer KV block j, j < ceil(num_draft_computed / block_size)
+
+B looks the request up in its own prefix cache and admits it as a hit of L: the blocks the hit
+shares are B's cached ones and are not written; every other row is (`HandoffImport.num_bytes_written`).
+Draft KV past num_draft_computed (the last chain's speculative positions) is not carried: the next
+verify rewrites each such position before anything reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache_service.block_hash import RequestBlockHashes
+from cache_service.miss_reasons import LookupReport
+from workers.engine.cache_manager import EngineCacheManager
+from workers.engine.errors import HandoffError
+from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.sampling import Sampler, TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class HandoffEngineSpec:
+    """What two engines must agree on for a hand-off's pages and drafts to mean the same thing."""
+
+    model_fingerprint: str
+    dtype: str
+    kv_block_size: int
+    mamba_block_size: int
+    num_spec_tokens: int  # 0 without speculation (or without an MTP head)
+    eagle_mode: str  # "off" without speculation
+    group_kinds: tuple[str, ...]
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> HandoffEngineSpec:
+        cache, config = engine.cache, engine.config
+        return cls(config.model_fingerprint, config.dtype, config.kv_block_size, config.mamba_block_size,
+                   cache.num_spec_tokens, cache.coordinator.eagle.value,
+                   tuple(spec.kind for spec in cache.layout.groups))
+
+    def check_matches(self, here: HandoffEngineSpec) -> None:
+        """Raise `HandoffError` naming the first field that differs (self: the exporter's)."""
+        for f in fields(self):
+            theirs, ours = getattr(self, f.name), getattr(here, f.name)
+            if theirs != ours:
+                raise HandoffError(f"mismatched engines: {f.name} is {theirs!r} on the exporting engine, "
+                                   f"{ours!r} here")
+
+
+@dataclass(frozen=True)
+class HandoffMeta:
+    """Everything but the pages: the request, its sampler's seed and the engine's counters for it."""
+
+    engine: HandoffEngineSpec
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None
+    num_computed_tokens: int  # target KV and Mamba state valid for [0, n)
+    num_draft_computed_tokens: int  # draft KV valid for [0, n)
+    num_prefill_tokens: int
+    draft_token_ids: tuple[int, ...]  # proposed, not verified yet: B verifies them at its next step
+    boundary_positions: tuple[int, ...]  # of the Mamba rows 1.., oldest first
+    checkpoints: tuple[int, ...]
+    periodic_checkpoints: tuple[int, ...]
+    junctions: tuple[int, ...]
+    sampler_seed: int | None  # the seed the request's generator was made from (None: greedy)
+    ttft_s: float | None
+    num_cached_tokens: int
+    num_host_cached_tokens: int
+    num_computed_prompt_tokens: int
+    num_draft_proposed: int
+    num_draft_accepted: int
+    num_preemptions: int
+    output_logprobs: tuple[TokenLogprobs, ...] = ()
+    cache_report: LookupReport | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One request's hand-off package (module docstring: the layout of `pages`)."""
+
+    meta: HandoffMeta
+    pages: tuple[tuple[torch.Tensor, ...], ...]  # per group, per page tensor: [num_rows, *page shape]
+    sampler_state: torch.Tensor | None  # uint8: the seeded generator's state (None: none made yet)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for group in self.pages for t in group)
+
+
+@dataclass(frozen=True)
+class HandoffImport:
+    """What `import_request` did: B's own hit (its blocks were not written) and what it wrote."""
+
+    request_id: str
+    num_hit_tokens: int
+    num_pages_written: tuple[int, ...]  # per group
+    num_bytes_written: int
+
+
+def page_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
+    """The page-indexed tensors of a group ([num_pages, ...] each), in a fixed order; the full
+    group's sidecar only where the engine keeps it (lossless EAGLE)."""
+    caches, kind = cache.caches, cache.layout.groups[group].kind
+    if kind == "mamba":
+        return [caches.conv[i] for i in sorted(caches.conv)] + [caches.ssm[i] for i in sorted(caches.ssm)]
+    pools = caches.draft_kv if kind == "draft" else caches.kv
+    rows = [t for i in sorted(pools) for t in pools[i]]
+    return rows + [cache.sidecar] if kind == "full" and cache.keeps_sidecar else rows
+
+
+def _request_pages(cache: EngineCacheManager, req: Request) -> list[list[int]]:
+    """Per group, the page ids of the request's rows in a hand-off (module docstring)."""
+    out = []
+    for manager in cache.groups.managers:
+        if manager.spec.kind == "mamba":
+            out.append([cache.state_page(req)] + [page for _, page in manager.boundary_states(req.request_id)])
+            continue
+        valid = req.num_draft_computed_tokens if manager.spec.kind == "draft" else req.num_computed_tokens
+        out.append(manager.block_ids(req.request_id)[: -(-valid // manager.block_size)])
+    return out
+
+
+@torch.inference_mode()
+def export_request(engine: LLMEngine, request_id: str) -> Handoff:
+    """Package `request_id` (running, past its prefill, between steps) and finish it here as
+    HANDOFF: its complete blocks are published and stay cached, its pages go back."""
+    req = engine.requests.get(request_id)
+    if req is None:
+        raise HandoffError(f"no unfinished request {request_id!r} on this engine")
+    if req.status is not RequestStatus.RUNNING or req.is_prefilling or not req.output_token_ids:
+        raise HandoffError(
+            f"request {request_id!r} has not finished its prefill ({req.num_computed_tokens} of "
+            f"{req.num_prefill_tokens} tokens computed, {len(req.output_token_ids)} emitted): hand it off "
+            "after the step that emits its first token")
+    engine.state_copies.flush()
+    cache = engine.cache
+    if req.has_pending_drafts:  # still on the device (drafter.PendingDrafts): read this request's row
+        first = engine.pending_drafts.flat_index(req)
+        req.set_drafts(engine.pending_drafts.tokens.view(-1)[first : first + req.num_draft_tokens].tolist())
+    pages = []
+    for group, ids in enumerate(_request_pages(cache, req)):
+        tensors = page_tensors(cache, group)
+        index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
+        pages.append(tuple(t.index_select(0, index) for t in tensors))  # copies: A's pages go back below
+    sampler = req.sampler
+    state = sampler.generator.get_state().clone() if sampler.generator is not None else None
+    meta = HandoffMeta(
+        HandoffEngineSpec.of(engine), request_id, tuple(req.prompt_token_ids), tuple(req.output_token_ids),
+        req.params, req.cache_salt, req.num_computed_tokens, req.num_draft_computed_tokens, req.num_prefill_tokens,
+        tuple(req.draft_token_ids), tuple(pos for pos, _ in cache.mamba.boundary_states(request_id)),
+        tuple(req.checkpoints), tuple(sorted(req.periodic_checkpoints)), tuple(req.junctions),
+        sampler._seed,  # private: the Sampler has no public seed yet (B's generator is made from it)
+        req.ttft_s, req.num_cached_tokens, req.num_host_cached_tokens, req.num_computed_prompt_tokens,
+        req.num_draft_proposed, req.num_draft_accepted, req.num_preemptions, tuple(req.output_logprobs),
+        req.cache_report,
+    )
+    engine.results.finish(req, FinishReason.HANDOFF)  # as a finished request: published, kept, freed
+    engine.requests.pop(request_id, None)
+    return Handoff(meta, tuple(pages), state)
+
+
+@torch.inference_mode()
+def import_request(engine: LLMEngine, handoff: Handoff) -> HandoffImport:
+    """Admit the handed-off request through this engine's lookup, write every page its hit does
+    not share, and run it from the next step. Raises `HandoffError` (this engine unchanged) when
+    the engines differ, the id is taken or there is no room now."""
+    meta, cache = handoff.meta, engine.cache
+    meta.engine.check_matches(HandoffEngineSpec.of(engine))
+    if meta.request_id in engine.requests:
+        raise HandoffError(f"request id {meta.request_id!r} is already on this engine")
+    _check_page_shapes(cache, handoff)
+    req = _rebuild_request(engine, handoff)
+    if not cache.fits_at_all(req):
+        raise HandoffError(f"request {meta.request_id!r} does not fit this engine's KV cache at all")
+    n = meta.num_computed_tokens
+    # first chunk: the rest of the prefill, so the admission takes pages up to n + k positions
+    if not cache.try_admit(req, first_chunk=n):
+        raise HandoffError(f"no room for request {meta.request_id!r} here now; retry later")
+    hit = req.num_computed_tokens
+    req.num_computed_tokens, req.num_draft_computed_tokens = n, meta.num_draft_computed_tokens
+    decoding = bool(meta.boundary_positions)  # boundary states need the decode pages now
+    if not cache.can_grow(req, 0, decoding):  # past the prompt (handed off mid-decode): more blocks
+        cache.retire(req, keep=False)
+        raise HandoffError(f"no room for request {meta.request_id!r} here now; retry later")
+    cache.grow(req, 0, decoding)
+    written, nbytes = _write_pages(cache, req, hit, handoff)
+    _restore_counters(req, meta)
+    engine.requests[req.request_id] = req
+    engine.scheduler.add_running(req)
+    return HandoffImport(req.request_id, hit, written, nbytes)
+
+
+def _check_page_shapes(cache: EngineCacheManager, handoff: Handoff) -> None:
+    if len(handoff.pages) != len(cache.layout.groups):
+        raise HandoffError(f"the hand-off has {len(handoff.pages)} cache groups, "
+                           f"this engine {len(cache.layout.groups)}")
+    for group, rows in enumerate(handoff.pages):
+        tensors = page_tensors(cache, group)
+        if len(rows) != len(tensors) or any(
+                r.shape[1:] != t.shape[1:] or r.dtype != t.dtype for r, t in zip(rows, tensors)):
+            raise HandoffError(f"group {group}: the hand-off's pages do not have this engine's page shapes")
+
+
+def _rebuild_request(engine: LLMEngine, handoff: Handoff) -> Request:
+    """The request as the exporting engine held it, its pages not yet taken (WAITING)."""
+    meta = handoff.meta
+    prompt = list(meta.prompt_token_ids)
+    hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt,
+                                model_fingerprint=engine.config.model_fingerprint, cache_salt=meta.cache_salt)
+    hashes.append(list(meta.output_token_ids))
+    eos = () if meta.params.ignore_eos else engine.eos_token_ids
+    sampler = Sampler(meta.params, eos)
+    sampler._seed = meta.sampler_seed  # private, as in export_request
+    if handoff.sampler_state is not None:
+        sampler.generator = torch.Generator(engine.config.device)
+        sampler.generator.set_state(handoff.sampler_state)
+    req = Request(meta.request_id, prompt, meta.params, hashes, meta.cache_salt, sampler=sampler,
+                  num_prefill_tokens=meta.num_prefill_tokens)
+    req.output_token_ids = list(meta.output_token_ids)
+    req.output_logprobs = list(meta.output_logprobs)
+    req.num_preemptions = meta.num_preemptions  # before admission: it reads whether this is a first one
+    return req
+
+
+def _write_pages(cache: EngineCacheManager, req: Request, hit: int, handoff: Handoff) -> tuple[tuple[int, ...], int]:
+    """Write every row the hit of `hit` tokens does not share into the request's pages here;
+    returns (rows written per group, bytes written)."""
+    rid, written, nbytes = req.request_id, [], 0
+    for group, manager in enumerate(cache.groups.managers):
+        rows = handoff.pages[group]
+        if manager.spec.kind == "mamba":
+            slots = manager.slots[rid]
+            slots.boundary_positions = list(handoff.meta.boundary_positions)
+            dst = [slots.working.block_id] + [p.block_id for p in slots.boundary[: len(slots.boundary_positions)]]
+            first = 0  # the working state is always written: B's restored one is at the hit, not at n
+        else:
+            first = manager.num_shared_blocks(hit)  # lossless draft: the copied block at hit - 1 is rewritten
+            dst = manager.block_ids(rid)[: rows[0].shape[0]]
+        src = list(range(first, rows[0].shape[0]))
+        written.append(len(src))
+        if not src:
+            continue
+        for t, r in zip(page_tensors(cache, group), rows):
+            index = torch.tensor(src, dtype=torch.long, device=r.device)
+            t.index_copy_(0, torch.tensor(dst[first:], dtype=torch.long, device=t.device),
+                          r.index_select(0, index).to(t.device))
+            nbytes += len(src) * t[0].numel() * t.element_size()
+    return tuple(written), nbytes
+
+
+def _restore_counters(req: Request, meta: HandoffMeta) -> None:
+    req.checkpoints, req.junctions = meta.checkpoints, meta.junctions
+    req.periodic_checkpoints = frozenset(meta.periodic_checkpoints)
+    req.set_drafts(list(meta.draft_token_ids))
+    req.num_cached_tokens, req.num_host_cached_tokens = meta.num_cached_tokens, meta.num_host_cached_tokens
+    req.cache_report = meta.cache_report
+    req.num_computed_prompt_tokens = meta.num_computed_prompt_tokens
+    req.num_draft_proposed, req.num_draft_accepted = meta.num_draft_proposed, meta.num_draft_accepted
+    req.first_token_s = time.perf_counter()
+    req.arrival_s = req.first_token_s - (meta.ttft_s or 0.0)  # the client's TTFT is the exporter's
