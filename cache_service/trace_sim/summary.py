@@ -108,7 +108,7 @@ def stepped_summary(sim: SteppedClusterSim, records: Sequence[SteppedRecord]) ->
         "itl_s": {
             "mean": sum(itl) / len(itl) if itl else 0.0,
             "p50": percentile(itl, 50), "p90": percentile(itl, 90), "p99": percentile(itl, 99),
-            "max": itl[-1] if itl else 0.0,
+            "p99.9": percentile(itl, 99.9), "max": itl[-1] if itl else 0.0,
         },
         "output_tokens_per_s": num_output / span if span > 0 else 0.0,
         "num_handoffs": len(handed),
