@@ -87,17 +87,17 @@ def restore_threads():
 @needs_shipped
 @pytest.mark.heavy
 def test_train_from_scratch_reproduces_shipped_losses(tmp_path, restore_threads):
-    """The shipped command (same seed, schedule, threads), stopped after 20 steps, gives the shipped loss at
-    steps 10 and 20. Bitwise equal on the same torch build and CPU; 1e-3 nats allows another CPU's
-    reduction order."""
+    """The shipped command (same seed, schedule, threads), stopped after 10 steps, gives the shipped loss at
+    step 10 and the shipped first holdout loss. Bitwise equal on the same torch build and CPU; 1e-3 nats
+    allows another CPU's reduction order. (10 steps, not 20: the suite's slowest test, ~100 s on 2 busy
+    cores; a wrong seed, data order, schedule or model init already moves step 10's loss.)"""
     from workers.train.train_tiny import main
 
     shipped = json.loads((SHIPPED / "train_log.json").read_text())
     argv = shlex.split(shipped["command"])[2:]  # drop "hybridserve train-tiny"
     argv[argv.index("--out") + 1] = str(tmp_path)
-    assert main([*argv, "--stop-after", "20"]) == 0
+    assert main([*argv, "--stop-after", "10"]) == 0
     ours = json.loads((tmp_path / "train_log.json").read_text())
-    assert ours["steps"] == 20 and ours["schedule_steps"] == shipped["schedule_steps"]
-    for step in ("10", "20"):
-        assert ours["check_losses"][step] == pytest.approx(shipped["check_losses"][step], abs=1e-3), step
+    assert ours["steps"] == 10 and ours["schedule_steps"] == shipped["schedule_steps"]
+    assert ours["check_losses"]["10"] == pytest.approx(shipped["check_losses"]["10"], abs=1e-3)
     assert ours["log"][0]["holdout_loss"] == pytest.approx(shipped["log"][0]["holdout_loss"], abs=1e-3)
