@@ -169,14 +169,13 @@ def export_request(engine: LLMEngine, request_id: str) -> Handoff:
         tensors = page_tensors(cache, group)
         index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
         pages.append(tuple(t.index_select(0, index) for t in tensors))  # copies: A's pages go back below
-    sampler = req.sampler
-    state = sampler.generator.get_state().clone() if sampler.generator is not None else None
+    seed, state = req.sampler.state()
     meta = HandoffMeta(
         HandoffEngineSpec.of(engine), request_id, tuple(req.prompt_token_ids), tuple(req.output_token_ids),
         req.params, req.cache_salt, req.num_computed_tokens, req.num_draft_computed_tokens, req.num_prefill_tokens,
         tuple(req.draft_token_ids), tuple(pos for pos, _ in cache.mamba.boundary_states(request_id)),
         tuple(req.checkpoints), tuple(sorted(req.periodic_checkpoints)), tuple(req.junctions),
-        sampler._seed,  # private: the Sampler has no public seed yet (B's generator is made from it)
+        seed,
         req.ttft_s, req.num_cached_tokens, req.num_host_cached_tokens, req.num_computed_prompt_tokens,
         req.num_draft_proposed, req.num_draft_accepted, req.num_preemptions, tuple(req.output_logprobs),
         req.cache_report,
@@ -237,10 +236,7 @@ def _rebuild_request(engine: LLMEngine, handoff: Handoff) -> Request:
     hashes.append(list(meta.output_token_ids))
     eos = () if meta.params.ignore_eos else engine.eos_token_ids
     sampler = Sampler(meta.params, eos)
-    sampler._seed = meta.sampler_seed  # private, as in export_request
-    if handoff.sampler_state is not None:
-        sampler.generator = torch.Generator(engine.config.device)
-        sampler.generator.set_state(handoff.sampler_state)
+    sampler.restore(meta.sampler_seed, handoff.sampler_state, engine.config.device)
     req = Request(meta.request_id, prompt, meta.params, hashes, meta.cache_salt, sampler=sampler,
                   num_prefill_tokens=meta.num_prefill_tokens)
     req.output_token_ids = list(meta.output_token_ids)

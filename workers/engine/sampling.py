@@ -39,6 +39,24 @@ class Sampler:
         # (torch.multinomial takes a generator of its own device only)
         self._seed = None if params.greedy else (params.seed if params.seed is not None else torch.seed())
 
+    @property
+    def seed(self) -> int | None:
+        """The seed this sampler's generator is made from (None: greedy)."""
+        return self._seed
+
+    def state(self) -> tuple[int | None, torch.Tensor | None]:
+        """(seed, the generator's state or None before the first sample): what `restore` takes
+        to continue the same random stream elsewhere (a prefill -> decode hand-off)."""
+        return self._seed, self.generator.get_state().clone() if self.generator is not None else None
+
+    def restore(self, seed: int | None, state: torch.Tensor | None, device: str | torch.device) -> None:
+        """Continue the stream `state()` gave (its generator on `device`)."""
+        self._seed = seed
+        self.generator = None
+        if state is not None:
+            self.generator = torch.Generator(device)
+            self.generator.set_state(state)
+
     def sample(self, logits: torch.Tensor, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> int:
         """`logits`: [vocab] float32; `prompt_ids` / `output_ids`: the request's tokens so far
         (read only when a penalty or `min_tokens` is set)."""
