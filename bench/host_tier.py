@@ -93,6 +93,21 @@ def write_rows(path: str, rows: list[dict], text: str) -> None:
         Path(path).write_text(text + "\n")
 
 
+def emit(report: dict, table: str, out: str | None, markdown_path: str | None, num_runs: int,
+         started: float) -> None:
+    """A rows benchmark's ending: the table and run time on stderr, the report as JSON on stdout,
+    `report["rows"]` to `out` (JSON, or Parquet for a .parquet path), the table to `markdown_path`."""
+    print(table, file=sys.stderr)
+    print(f"{num_runs} runs in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        write_rows(out, report["rows"], text)
+    if markdown_path:
+        Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown_path).write_text(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host_tier", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default="shipped,chat")
@@ -130,16 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # a budget too small for the layout, an unknown cost model
             print(f"bench.host_tier: {exc}", file=sys.stderr)
             return 2
-    table = markdown(rows)
-    print(table, file=sys.stderr)
-    print(f"{len(jobs)} runs in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    text = json.dumps({"rows": rows}, indent=2)
-    print(text)
-    if args.out:
-        write_rows(args.out, rows, text)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(table)
+    emit({"rows": rows}, markdown(rows), args.out, args.markdown, len(jobs), start)
     return 0
 
 

@@ -20,13 +20,12 @@ the choice as JSON (--out, or rows as Parquet for a .parquet path) and the table
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.host_tier import write_rows
+from bench.host_tier import emit
 from bench.memory_pressure import REFERENCE_REPLICAS
 from cache_service.trace_sim.cli import DEFAULT_TRACE, build_parser, run_one
 from cache_service.trace_sim.trace import load_trace, scale_requests
@@ -134,16 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.pd_split: {exc}", file=sys.stderr)
             return 2
     choice = best_split(rows, args.ttft_slack)
-    table = markdown(rows, choice)
-    print(table, file=sys.stderr)
-    print(f"{len(jobs)} runs in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    text = json.dumps({"rows": rows, "choice": choice}, indent=2)
-    print(text)
-    if args.out:
-        write_rows(args.out, rows, text)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(table)
+    emit({"rows": rows, "choice": choice}, markdown(rows, choice), args.out, args.markdown, len(jobs), start)
     return 0
 
 

@@ -23,6 +23,24 @@ def resend_hits(groups: Sequence[str], prompt_len: int, **kw) -> tuple[int, tupl
     return result.resend.hit.hit_tokens, result.resend.hit.per_group_hits
 
 
+def dev_host_cold():
+    """(index, coordinator, hashes) of three indexed replicas (full:16 + mamba:64, EAGLE off) and
+    a 300-token prompt: `dev` holds its 256-token prefix on its device, `host` on its host tier
+    only, `cold` nothing."""
+    from cache_service.coordinator import EagleMode
+    from cache_service.global_index import GlobalIndex
+
+    coord = HybridCoordinator(make_layout("full:16", "mamba:64"), EagleMode.OFF)
+    hashes = RequestBlockHashes(16, make_tokens(300, 5, 50))
+    keys = hashes.hashes[:16]
+    index = GlobalIndex(2)
+    for r in ("dev", "host", "cold"):
+        index.add_replica(r)
+    index.resync("dev", [keys, [hashes.prefix_hash(256)]], 0)
+    index.resync("host", [[], []], 0, [keys, [hashes.prefix_hash(256)]])
+    return index, coord, hashes
+
+
 def make_hashes(layout: CacheLayout, num_tokens: int, seed: int = 0) -> RequestBlockHashes:
     return RequestBlockHashes(layout.hash_block_size, make_tokens(num_tokens, seed, 1000))
 

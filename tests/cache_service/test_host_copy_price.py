@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service import EagleMode, HybridCoordinator, RequestBlockHashes
-from cache_service.global_index import GlobalIndex
+from cache_service import RequestBlockHashes
 from cache_service.index_mirror import IndexMirror
 from cache_service.messages import (
     BlockRecord,
@@ -21,23 +20,9 @@ from cache_service.messages import (
 from cache_service.router import Router, RouterConfig
 from cache_service.service import CacheService
 from cache_service.simulate import make_tokens
-from tests.cache_service.helpers import make_layout
+from tests.cache_service.helpers import dev_host_cold
 
 GROUPS = ["full:16", "mamba:64"]
-
-
-def three_replicas():
-    """`dev` holds a 300-token prompt's 256-token prefix on its device, `host` on its host tier
-    only, `cold` nothing."""
-    coord = HybridCoordinator(make_layout(*GROUPS), EagleMode.OFF)
-    hashes = RequestBlockHashes(16, make_tokens(300, 5, 50))
-    keys = hashes.hashes[:16]
-    index = GlobalIndex(2)
-    for r in ("dev", "host", "cold"):
-        index.add_replica(r)
-    index.resync("dev", [keys, [hashes.prefix_hash(256)]], 0)
-    index.resync("host", [[], []], 0, [keys, [hashes.prefix_hash(256)]])
-    return index, coord, hashes
 
 
 def test_a_replicas_measured_price_replaces_the_configured_one():
@@ -46,7 +31,7 @@ def test_a_replicas_measured_price_replaces_the_configured_one():
     40 + 0.1 a token (65.6): `dev` 60 busier still wins, 70 busier loses. Against the idle
     `cold`: a cheap price copies; one dearer than recomputing (1.5 a token) sends the request to
     `cold` with the pages moved there."""
-    index, coord, hashes = three_replicas()
+    index, coord, hashes = dev_host_cold()
     router = Router(index, coord, "hybrid", RouterConfig(host_cost_per_token=0.02))
     assert router.route(hashes.hashes, 300, {"dev": 6, "host": 0}).replica_id == "host"
     measured = {"host": HostCopyPrice(40.0, 0.1, 1e9)}

@@ -12,7 +12,7 @@ from cache_service.global_index import GlobalIndex
 from cache_service.host_tier import HostTier
 from cache_service.router import Router, RouterConfig
 from cache_service.simulate import make_tokens
-from tests.cache_service.helpers import make_layout
+from tests.cache_service.helpers import dev_host_cold, make_layout
 
 KEYS = RequestBlockHashes(16, make_tokens(160, 0, 50)).hashes
 
@@ -215,15 +215,7 @@ def test_the_router_prices_a_host_hit_between_a_device_hit_and_recompute():
     """Three replicas: `dev` holds a 256-token prefix on its device, `host` on its host tier only,
     `cold` nothing. Equal load: `dev` wins; `dev` busier by more than the copy costs: `host` wins
     (its hit is counted, the copy priced); `host` busier by more than recompute saves: `cold`."""
-    layout = make_layout("full:16", "mamba:64")
-    coord = HybridCoordinator(layout, EagleMode.OFF)
-    hashes = RequestBlockHashes(16, make_tokens(300, 5, 50))
-    keys = hashes.hashes[:16]
-    index = GlobalIndex(2)
-    for r in ("dev", "host", "cold"):
-        index.add_replica(r)
-    index.resync("dev", [keys, [hashes.prefix_hash(256)]], 0)
-    index.resync("host", [[], []], 0, [keys, [hashes.prefix_hash(256)]])
+    index, coord, hashes = dev_host_cold()
     router = Router(index, coord, "hybrid", RouterConfig(host_cost_per_token=0.02))
     scored = router.hits(hashes.hashes, 300, None)
     assert scored.hit_tokens == {"dev": 256, "host": 256} and scored.host_tokens == {"host": 256}
