@@ -103,10 +103,23 @@ class PairChannel:
         return 1 - self.rank
 
     def isend(self, tensor: torch.Tensor) -> Work:
-        return self.pg.send([tensor], self.peer, 0)
+        return self._group().send([tensor], self.peer, 0)
 
     def irecv(self, tensor: torch.Tensor) -> Work:
-        return self.pg.recv([tensor], self.peer, 0)
+        return self._group().recv([tensor], self.peer, 0)
+
+    def close(self) -> None:
+        """Shut this end's group down and drop it: its sockets close, so the peer's pending
+        operations fail at once ("Connection closed by peer") rather than at the timeout (a gloo
+        `abort()` alone leaves them open); later calls on this end raise `RuntimeError`."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.shutdown()
+
+    def _group(self):
+        if self.pg is None:
+            raise RuntimeError(f"pair channel {self.name!r} is closed")
+        return self.pg
 
 
 __all__ = ["Channel", "PairChannel", "channel_namespace", "StoreHost", "WorldChannel", "free_port"]
