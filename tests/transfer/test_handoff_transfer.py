@@ -1,0 +1,216 @@
+"""A prefill/decode hand-off between two ranks over a real gloo pair channel on loopback
+(`workers/handoff_transfer.py`): B decodes as one engine would, running no prompt token; a
+corrupted chunk, a refusing receiver or a stream cut mid-way raise typed errors, import nothing on
+B, and the request finishes on A as on one engine (nothing lost).
+
+The ranks are two threads of this process, each with its own `PairChannel` (`ProcessGroupGloo`
+over a `TCPStore`), as in tests/cluster/test_isolation.py: real sockets, no spawned interpreters."""
+
+import dataclasses
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.engine.test_handoff import assert_same_pages, engine_for, finish, prefill, request_pages
+from workers.engine.errors import HandoffError
+from workers.engine.sampling import TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
+from workers.handoff_transfer import (
+    HandoffRefused,
+    HandoffStreamCorrupt,
+    HandoffStreamTruncated,
+    decode_meta,
+    encode_meta,
+    hand_off_or_keep,
+    receive_handoff_into,
+    send_handoff,
+)
+from workers.transfer_channel import PairChannel, StoreHost
+
+PROMPT = [(7 * i + 3) % 512 for i in range(100)]  # 6 full blocks of 16 and a partial one; alignment 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+CHUNK = 4096  # small: a page tensor spans several chunks
+
+
+def channel_pair(timeout_s: float = 10.0) -> tuple[PairChannel, PairChannel]:
+    """Rank 0 (A's end) and rank 1 (B's end) of one gloo pair; both must join at once."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    host = StoreHost("127.0.0.1", timeout_s=timeout_s)
+    ends: list = [None, None]
+
+    def join(rank: int) -> None:
+        ends[rank] = PairChannel("handoff", rank, host.endpoint, store=host.store if rank == 0 else None,
+                                 timeout_s=timeout_s)  # rank 1: its own store client, as a peer process
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(ends), "the pair channel did not form"
+    return ends[0], ends[1]
+
+
+def receiving(engine, channel) -> tuple[threading.Thread, dict]:
+    """B's rank: `receive_handoff_into` on a thread; its result or exception lands in the dict."""
+    got: dict = {}
+
+    def run() -> None:
+        try:
+            got["result"] = receive_handoff_into(engine, channel)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            got["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, got
+
+
+def one_engine(model, k, eagle, params=GREEDY, cache={}):  # noqa: B006 - memo across tests of this module
+    """The reference: the request on one engine (its final output)."""
+    if (k, eagle, params) not in cache:
+        ref = engine_for(model, k, eagle)
+        cache[k, eagle, params] = finish(ref, prefill(ref, PROMPT, params=params))[0]
+    return cache[k, eagle, params]
+
+
+def test_the_meta_survives_json_exactly_and_garbage_is_refused(tiny_model):
+    """Catches: a field dropped or renamed by the codec, lists left as lists (the frozen meta would
+    differ and not hash), a float rounded or -inf lost, a NamedTuple / nested dataclass rebuilt as
+    a plain tuple or dict; and a decoder that accepts a wrong type or an unknown field."""
+    a = engine_for(tiny_model, 3, "lossless")
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=4, logprobs=2, stop=("ab", "c"), stop_token_ids=(9,))
+    rid = prefill(a, PROMPT, params=params)
+    meta = a.export_request(rid).meta
+    odd = TokenLogprobs(-1 / 3, ((4, -float("inf")),))  # a float JSON must not round, an -inf it must keep
+    meta = dataclasses.replace(meta, output_logprobs=(*meta.output_logprobs, odd))
+    assert meta.cache_report is not None and meta.sampler_seed == 5 and len(meta.output_logprobs) == 2
+    wire = json.loads(json.dumps(encode_meta(meta)))
+    back = decode_meta(wire)
+    assert back == meta and hash(back.params) == hash(meta.params)
+    assert type(back.output_logprobs[0]) is TokenLogprobs and type(back.cache_report) is type(meta.cache_report)
+    for path, bad in ((("num_computed_tokens",), True), (("params", "temperature"), "0.7"),
+                      (("engine", "group_kinds"), "full"), (("params", "evil"), 1)):
+        data = json.loads(json.dumps(wire))
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = bad
+        with pytest.raises(HandoffStreamCorrupt):
+            decode_meta(data)
+
+
+@pytest.mark.parametrize("k, eagle, params", [(0, "lossless", GREEDY), (3, "drop", GREEDY),
+                                             (3, "lossless", GREEDY), (3, "lossless", SEEDED)])
+def test_a_hand_off_over_gloo_decodes_as_on_one_engine(tiny_model, k, eagle, params):
+    """Catches: a chunk landing at the wrong offset or a tensor reassembled in the wrong group or
+    order (B's pages are compared with A's byte for byte), a lost sampler state (the seeded
+    temperature-1 case draws differently) or lost drafts (the tokens and draft counters equal one
+    engine's), and a receiver that recomputes the prompt."""
+    ref = one_engine(tiny_model, k, eagle, params)
+    a, b = engine_for(tiny_model, k, eagle), engine_for(tiny_model, k, eagle)
+    rid = prefill(a, PROMPT, params=params)
+    pages = request_pages(a, rid)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    sent = send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    assert "error" not in got and got["result"].num_bytes_written == handoff.nbytes  # B held nothing
+    state = handoff.sampler_state
+    assert (state is None) == (params is GREEDY)  # greedy: no generator
+    assert sent.num_payload_bytes == handoff.nbytes + (0 if state is None else state.numel())
+    assert sent.num_chunks > sum(len(group) for group in handoff.pages)
+    assert_same_pages(request_pages(b, rid), pages)
+    out, _ = finish(b, rid)
+    assert out.token_ids == ref.token_ids
+    assert (out.num_draft_proposed, out.num_draft_accepted) == (ref.num_draft_proposed, ref.num_draft_accepted)
+    assert b.num_computed_prompt_tokens == 0
+
+
+def test_a_corrupted_chunk_is_refused_and_the_request_finishes_on_a(tiny_model):
+    """Catches: a receiver that imports without checking every chunk, a sender that ignores the
+    receiver's no (no fallback: the request would be lost), a fallback that recomputes the prompt,
+    and a receiver that leaves the channel mid-stream on a bad chunk (the clean resend after it
+    on the same channel would hang or mismatch)."""
+    ref = one_engine(tiny_model, 3, "lossless")
+    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, "lossless")
+    rid = prefill(a, PROMPT)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    delivery = hand_off_or_keep(a, handoff, lambda h: send_handoff(end_a, h, chunk_bytes=CHUNK, corrupt_chunk=5))
+    thread.join(timeout=30)
+    assert isinstance(got["error"], HandoffStreamCorrupt) and "[5]" in str(got["error"])
+    assert not delivery.delivered and "HandoffRefused" in delivery.failure and "checksum" in delivery.failure
+    assert not b.requests and b.num_computed_prompt_tokens == 0
+    b.cache.check_integrity()
+    assert delivery.kept.num_hit_tokens == 64  # A's own cached prompt serves the re-import
+    out, _ = finish(a, rid)
+    assert out.token_ids == ref.token_ids and a.num_computed_prompt_tokens == len(PROMPT)  # prefilled once
+    # the channel is still in step: the same package, clean, goes through and decodes on B
+    thread, got = receiving(b, end_b)
+    send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    assert "error" not in got
+    assert finish(b, rid)[0].token_ids == ref.token_ids
+
+
+def test_a_receiver_that_refuses_the_import_sends_the_request_back(tiny_model):
+    """Catches: a receiver that raises without answering (the sender would wait for the ack until
+    the channel times out) and a sender that treats a refusal as delivered (the request is lost)."""
+    ref = one_engine(tiny_model, 3, "lossless")
+    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, "drop")
+    rid = prefill(a, PROMPT)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    with pytest.raises(HandoffRefused, match="eagle_mode"):
+        send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    assert isinstance(got["error"], HandoffError) and not b.requests
+    delivery = hand_off_or_keep(a, handoff, lambda h: a.export_request("nothing here"))  # any failing send
+    assert not delivery.delivered and delivery.kept.request_id == rid
+    assert finish(a, rid)[0].token_ids == ref.token_ids
+
+
+def test_a_stream_cut_mid_way_raises_on_both_ends_and_a_finishes_the_request(tiny_model):
+    """The sender's end is closed (`PairChannel.close`: its sockets shut) after 3 chunks are posted.
+    Catches: a receiver that hangs or returns a half-filled package (it must raise the typed error),
+    a sender whose channel error escapes untyped or skips the fallback, a `close` that leaves the
+    sockets open (the receiver would fail only at the timeout)."""
+    ref = one_engine(tiny_model, 0, "lossless")
+    a, b = engine_for(tiny_model, 0, "lossless"), engine_for(tiny_model, 0, "lossless")
+    rid = prefill(a, PROMPT)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair(timeout_s=3.0)
+    thread, got = receiving(b, end_b)
+
+    def close_at(k: int) -> None:
+        if k == 3:
+            end_a.close()
+
+    failures = []
+
+    def send(h):
+        try:
+            return send_handoff(end_a, h, chunk_bytes=CHUNK, before_chunk=close_at)
+        except Exception as exc:
+            failures.append(type(exc))  # not exc: its frames would keep the closed group alive
+            raise
+
+    delivery = hand_off_or_keep(a, handoff, send)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(got.get("error"), HandoffStreamTruncated)
+    # mid-stream, and at once: the closed end's sockets shut (a still-open group would time out instead)
+    assert "chunk" in str(got["error"]) and "timed out" not in str(got["error"]).lower()
+    assert failures == [HandoffStreamTruncated] and not delivery.delivered
+    assert not b.requests
+    b.cache.check_integrity()
+    out, _ = finish(a, rid)
+    assert out.token_ids == ref.token_ids and a.num_computed_prompt_tokens == len(PROMPT)
+    assert torch.is_tensor(handoff.pages[0][0])  # the package itself was never consumed
