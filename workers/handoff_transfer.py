@@ -12,11 +12,10 @@ channels as prefix pages (`workers/transfer_channel.py`: gloo on CPU, NCCL on GP
                                                      <-   ack int64[2]: 0 | 1, reason length; reason
                                                           (1: corrupt or refused by B's import)
 
-The meta travels as JSON built from the frozen dataclasses' fields and decoded against their type
-hints (`decode_meta`): only ints, floats, strings, bools, None, tuples and the known dataclasses /
-NamedTuples are rebuilt, never an arbitrary object, as `TransferHeader` does for prefix pages.
-The tensors go as raw bytes, each chunk with its own xxh3-64 in the header, so a flipped byte is
-caught before anything is imported (`HandoffStreamCorrupt`) and a stream that stops (the peer
+The meta travels as JSON (`workers/handoff_codec.py`: decoded strictly against the dataclasses'
+type hints, never an arbitrary object, as `TransferHeader` does for prefix pages). The tensors go
+as raw bytes, each chunk with its own xxh3-64 in the header, so a flipped byte is caught before
+anything is imported (`HandoffStreamCorrupt`) and a stream that stops (the peer
 gone, the channel closed or timed out) raises `HandoffStreamTruncated` on either side.
 
 A failed hand-off loses nothing (`hand_off_or_keep`): the package is plain data and not consumed
@@ -32,16 +31,15 @@ and the caller must drop one stream (B's: the sender's `HandoffDelivery` says it
 from __future__ import annotations
 
 import json
-import types
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from workers.engine.errors import HandoffError
-from workers.engine.handoff import Handoff, HandoffImport, HandoffMeta
+from workers.engine.handoff import Handoff, HandoffImport
+from workers.handoff_codec import HandoffMetaError, decode_meta, encode_meta
 from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, TransferError, host_bytes
 
 MAX_HEADER_BYTES = 64 * 2**20
@@ -84,63 +82,6 @@ class HandoffDelivery:
     kept: HandoffImport | None = None
     failure: str | None = None
 
-
-# ---- the meta as JSON ---------------------------------------------------------------------------
-
-def encode_meta(meta: HandoffMeta) -> object:
-    """JSON-ready: dataclasses as objects of their fields, tuples (NamedTuples too) as lists."""
-    if is_dataclass(meta):
-        return {f.name: encode_meta(getattr(meta, f.name)) for f in fields(meta)}
-    if isinstance(meta, tuple):
-        return [encode_meta(v) for v in meta]
-    return meta
-
-
-def decode_meta(data: object) -> HandoffMeta:
-    """Rebuild a `HandoffMeta` from `encode_meta`'s form, checking every value against the field
-    types; raises `HandoffStreamCorrupt` naming the first field that does not fit."""
-    try:
-        return _decode(HandoffMeta, data, "meta")
-    except (TypeError, ValueError) as exc:  # a type mismatch here, or a dataclass's own validation
-        raise HandoffStreamCorrupt(f"hand-off header does not decode: {exc}") from exc
-
-
-def _decode(tp, value, where: str):
-    origin = get_origin(tp)
-    if tp is type(None):
-        if value is None:
-            return None
-    elif origin in (Union, types.UnionType):
-        for alt in get_args(tp):
-            try:
-                return _decode(alt, value, where)
-            except (TypeError, ValueError):
-                continue
-    elif origin is tuple and isinstance(value, list):
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) == len(value):
-            return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    elif is_dataclass(tp) and isinstance(value, dict):
-        hints, names = get_type_hints(tp), {f.name for f in fields(tp)}
-        required = {f.name for f in fields(tp) if f.default is MISSING and f.default_factory is MISSING}
-        if value.keys() <= names and required <= value.keys():
-            return tp(**{k: _decode(hints[k], v, f"{where}.{k}") for k, v in value.items()})
-    elif isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields") and isinstance(value, list):
-        hints = get_type_hints(tp)
-        if len(value) == len(tp._fields):
-            return tp(*(_decode(hints[k], v, f"{where}.{k}") for k, v in zip(tp._fields, value)))
-    elif tp is bool and isinstance(value, bool) or tp is str and isinstance(value, str):
-        return value
-    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise TypeError(f"{where}: {value!r:.80} is not a {tp}")
-
-
-# ---- the stream ---------------------------------------------------------------------------------
 
 def _tensors(handoff: Handoff) -> list[torch.Tensor]:
     state = [] if handoff.sampler_state is None else [handoff.sampler_state]
@@ -262,7 +203,10 @@ def _parse_header(header: bytes, payload_bytes: int, device):
         raw_meta = data["meta"]
     except (ValueError, KeyError, TypeError) as exc:
         raise HandoffStreamCorrupt(f"hand-off header does not decode: {exc!r}") from exc
-    meta = decode_meta(raw_meta)
+    try:
+        meta = decode_meta(raw_meta)
+    except HandoffMetaError as exc:
+        raise HandoffStreamCorrupt(str(exc)) from exc
     nbytes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs]
     if (sum(groups) + state != len(specs) or min(groups, default=0) < 0 or chunk_bytes <= 0
             or any(d < 0 for _, shape in specs for d in shape) or sum(nbytes) != payload_bytes):
@@ -319,6 +263,6 @@ def hand_off_or_keep(engine, handoff: Handoff, send: Callable[[Handoff], object]
 
 __all__ = [
     "HandoffDelivery", "HandoffRefused", "HandoffSent", "HandoffStreamCorrupt", "HandoffStreamTruncated",
-    "HandoffTransferError", "decode_meta", "encode_meta", "hand_off_or_keep", "receive_handoff_into",
+    "HandoffTransferError", "hand_off_or_keep", "receive_handoff_into",
     "recv_handoff", "send_handoff",
 ]

@@ -13,19 +13,20 @@ import threading
 
 import pytest
 import torch
+import xxhash
 
 from tests.engine.test_handoff import assert_same_pages, engine_for, finish, prefill, request_pages
 from workers.engine.errors import HandoffError
 from workers.engine.sampling import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
+from workers.handoff_codec import HandoffMetaError, decode_meta, encode_meta
 from workers.handoff_transfer import (
     HandoffRefused,
     HandoffStreamCorrupt,
     HandoffStreamTruncated,
-    decode_meta,
-    encode_meta,
     hand_off_or_keep,
     receive_handoff_into,
+    recv_handoff,
     send_handoff,
 )
 from workers.transfer_channel import PairChannel, StoreHost
@@ -100,12 +101,13 @@ def test_the_meta_survives_json_exactly_and_garbage_is_refused(tiny_model):
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = bad
-        with pytest.raises(HandoffStreamCorrupt):
+        with pytest.raises(HandoffMetaError, match=path[-1] if path[-1] != "evil" else "is not a"):
             decode_meta(data)
 
 
 @pytest.mark.parametrize("k, eagle, params", [(0, "lossless", GREEDY), (3, "drop", GREEDY),
-                                             (3, "lossless", GREEDY), (3, "lossless", SEEDED)])
+                                             (3, "lossless", GREEDY), (3, "lossless", SEEDED)],
+                         ids=["k0", "k3-drop", "k3-lossless", "k3-lossless-seeded"])
 def test_a_hand_off_over_gloo_decodes_as_on_one_engine(tiny_model, k, eagle, params):
     """Catches: a chunk landing at the wrong offset or a tensor reassembled in the wrong group or
     order (B's pages are compared with A's byte for byte), a lost sampler state (the seeded
@@ -214,3 +216,42 @@ def test_a_stream_cut_mid_way_raises_on_both_ends_and_a_finishes_the_request(tin
     out, _ = finish(a, rid)
     assert out.token_ids == ref.token_ids and a.num_computed_prompt_tokens == len(PROMPT)
     assert torch.is_tensor(handoff.pages[0][0])  # the package itself was never consumed
+
+
+def test_a_header_that_does_not_check_out_is_refused_before_anything_is_allocated(tiny_model):
+    """Hand-made streams (sizes + header, no chunks) over the real channel. Catches: a receiver that
+    skips the header checksum, trusts sizes past its bounds, builds the meta from a wrong type,
+    or sizes its buffers from a tensor list that does not add up to the payload."""
+    a = engine_for(tiny_model, 0, "lossless")
+    meta = encode_meta(a.export_request(prefill(a, PROMPT)).meta)
+    end_a, end_b = channel_pair()
+
+    def stream(header: dict, payload: int, checksum_delta: int = 0, header_bytes: int | None = None) -> str:
+        raw = json.dumps(header).encode()
+        digest = xxhash.xxh3_64_intdigest(raw) - 2**63 + checksum_delta
+        got: dict = {}
+        thread = threading.Thread(target=lambda: got.update(error=_raises(lambda: recv_handoff(end_b))))
+        thread.start()
+        end_a.isend(torch.tensor([header_bytes or len(raw), payload, digest], dtype=torch.int64)).wait()
+        if header_bytes is None:
+            end_a.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8)).wait()
+        thread.join(timeout=30)
+        assert isinstance(got["error"], HandoffStreamCorrupt), got
+        return str(got["error"])
+
+    good = {"meta": meta, "groups": [1], "sampler_state": False, "tensors": [["torch.float32", [2, 4]]],
+            "chunk_bytes": 16, "checksums": ["0", "0"]}
+    assert "out of bounds" in stream(good, 32, header_bytes=2**40)
+    assert "header failed its checksum" in stream(good, 32, checksum_delta=1)
+    assert "num_computed_tokens" in stream({**good, "meta": {**meta, "num_computed_tokens": "9"}}, 32)
+    assert "payload size" in stream(good, 64)  # 2 x 4 float32 is 32 bytes, not 64
+    assert "2 checksums for 32 chunks" in stream({**good, "chunk_bytes": 1}, 32)
+    assert "does not decode" in stream({**good, "tensors": [["builtins.eval", [2, 4]]]}, 32)
+
+
+def _raises(fn) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
