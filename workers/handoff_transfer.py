@@ -43,6 +43,7 @@ from workers.handoff_codec import HandoffMetaError, decode_meta, encode_meta
 from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, TransferError, host_bytes
 
 MAX_HEADER_BYTES = 64 * 2**20
+MAX_REASON_BYTES = 2**16
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**30
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
                                torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)}
@@ -153,9 +154,12 @@ def send_handoff(channel, handoff: Handoff, *, chunk_bytes: int = DEFAULT_CHUNK_
         status = torch.zeros(2, dtype=torch.int64)
         _wait(_post(channel.irecv, status, "the ack"), "the ack")
         if int(status[0]) != 0:
+            if not 0 <= int(status[1]) <= MAX_REASON_BYTES:
+                raise HandoffStreamCorrupt(f"the receiver's answer is malformed: {status.tolist()}")
             reason = torch.empty(int(status[1]), dtype=torch.uint8)
             _wait(_post(channel.irecv, reason, "the ack"), "the ack")
-            raise HandoffRefused(f"the receiver refused the hand-off: {reason.numpy().tobytes().decode()}")
+            why = reason.numpy().tobytes().decode(errors="replace")
+            raise HandoffRefused(f"the receiver refused the hand-off: {why}")
     return HandoffSent(handoff.meta.request_id, payload, len(chunks))
 
 
@@ -220,7 +224,7 @@ def _parse_header(header: bytes, payload_bytes: int, device):
 
 
 def _reply(channel, reason: str | None) -> None:
-    body = (reason or "").encode()
+    body = (reason or "").encode()[:MAX_REASON_BYTES]
     _wait(_post(channel.isend, torch.tensor([int(reason is not None), len(body)], dtype=torch.int64), "the ack"),
           "the ack")
     if reason is not None:
@@ -235,15 +239,24 @@ def receive_handoff_into(engine, channel, *, on_loop=ON_THIS_THREAD, device: str
     try:
         handoff = recv_handoff(channel, device=device, max_payload_bytes=max_payload_bytes)
     except HandoffStreamCorrupt as exc:
-        _reply(channel, str(exc))
+        _say_no(channel, exc)
         raise
     try:
         result = on_loop(lambda: engine.import_request(handoff))
     except HandoffError as exc:
-        _reply(channel, str(exc))
+        _say_no(channel, exc)
         raise
     _reply(channel, None)
     return result
+
+
+def _say_no(channel, exc: Exception) -> None:
+    """Tell the sender why, best effort: after a corrupt header the stream is out of step and the
+    answer may not get through; the sender then times out and keeps the request all the same."""
+    try:
+        _reply(channel, str(exc))
+    except HandoffStreamTruncated:
+        pass
 
 
 def hand_off_or_keep(engine, handoff: Handoff, send: Callable[[Handoff], object],
