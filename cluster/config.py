@@ -4,6 +4,7 @@
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
         restart  ReplicaRestartConfig  a fixed count's crash-loop backoff (`control.replica_restarts`)
         cache_service  CacheServiceConfig  the index's shards and the front doors' read replicas
+        pd       PDConfig          prefill/decode replica roles (default: none, all mixed)
         (autoscaler: an AutoscalerConfig derived from min/max_replicas and the scale_* keys)
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
@@ -100,6 +101,32 @@ class AutoscalerConfig:
 
 
 @dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode disaggregation (issue 31): `num_prefill` replicas prefill each request up to
+    its first token and hand it off to one of `num_decode` replicas, which decodes the rest. Both 0
+    (the default): every replica is mixed (prefills and decodes its own requests)."""
+
+    num_prefill: int = 0
+    num_decode: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError(f"replica counts must be >= 0, got num_prefill={self.num_prefill}, "
+                             f"num_decode={self.num_decode}")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError(f"need both num_prefill and num_decode >= 1 (or both 0: mixed), got "
+                             f"num_prefill={self.num_prefill}, num_decode={self.num_decode}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_prefill > 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     backend: str = "ray"  # ray: replicas as Ray actors + cache service; inprocess: one engine, no Ray
     name: str | None = "hybridserve"  # its controller is "<name>-controller": a restarted server reattaches
@@ -131,6 +158,7 @@ class ClusterConfig:
     cache_service: CacheServiceConfig = field(default_factory=CacheServiceConfig)
     # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
     restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
+    pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode roles (default: all replicas mixed)
 
     def __post_init__(self) -> None:
         for bound in ("min_replicas", "max_replicas"):
@@ -152,10 +180,26 @@ class ClusterConfig:
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
         if self.max_attempts < 1 or self.max_streams_per_replica < 1:
             raise ConfigError("cluster.max_attempts and cluster.max_streams_per_replica must be >= 1")
+        self._check_pd()
         try:
             self.autoscaler  # noqa: B018 - its own checks, at load time
         except ValueError as exc:
             raise ConfigError(f"cluster: {exc}") from None
+
+    def _check_pd(self) -> None:
+        pd = self.pd
+        if not pd.enabled:
+            return
+        if self.backend != "ray":
+            raise ConfigError("cluster.pd needs cluster.backend ray (the in-process backend is one engine)")
+        if pd.num_replicas != self.num_replicas:
+            raise ConfigError(f"cluster.pd: num_prefill + num_decode ({pd.num_prefill} + {pd.num_decode}) must "
+                              f"equal cluster.num_replicas ({self.num_replicas})")
+        if self.min_replicas != self.max_replicas:
+            raise ConfigError("cluster.pd: a fixed replica count only (min_replicas == max_replicas): the "
+                              "autoscaler does not assign roles")
+        if self.tp_size != 1:
+            raise ConfigError("cluster.pd: tp_size 1 only (pages of a tensor-parallel replica cannot move yet)")
 
     @property
     def autoscaler(self) -> AutoscalerConfig | None:

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request defaults (temperature, top_p, top_k, repetition_penalty, max_new_tokens): "
                         "auto = the checkpoint's generation_config.json, vllm = none of them (OpenAI defaults), "
                         "FOLDER = that folder's generation_config.json (model.generation_config)")
+    p.add_argument("--pd", metavar="P:D",
+                   help="prefill/decode disaggregation: P prefill and D decode replicas (cluster.pd; "
+                        "sets cluster.num_replicas to P + D)")
     p.add_argument("--version", action="version", version=f"hybridserve {VERSION}")
     return p
 
@@ -82,6 +85,8 @@ def parse_serve_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[s
         if not args.host_cache_gib >= 0:  # also refuses nan
             p.error(f"--host-cache-gib must be >= 0, got {args.host_cache_gib}")
         settings["engine.host_cache_bytes"] = int(args.host_cache_gib * 2**30)
+    if args.pd is not None:
+        settings.update(_pd_settings(p, args.pd))
     model = args.model_tag or args.model_flag
     if model:
         # a model named on the command line must exist: never stand a random checkpoint in for it
@@ -90,6 +95,16 @@ def parse_serve_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[s
     if args.config is None and Path(DEFAULT_CONFIG).is_file():
         args.config = DEFAULT_CONFIG
     return args, settings
+
+
+def _pd_settings(p: argparse.ArgumentParser, value: str) -> dict[str, object]:
+    """`--pd P:D` as config settings; the counts themselves are checked by `PDConfig`."""
+    parts = value.split(":")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        p.error(f"--pd takes P:D (prefill and decode replica counts, e.g. 1:1), got {value!r}")
+    num_prefill, num_decode = (int(part) for part in parts)
+    return {"cluster.pd.num_prefill": num_prefill, "cluster.pd.num_decode": num_decode,
+            "cluster.num_replicas": num_prefill + num_decode}
 
 
 def check_port_free(host: str, port: int) -> None:
