@@ -131,3 +131,12 @@ def kill_cache_service(backend) -> None:
 def kill_controller(backend) -> None:
     """Ray restarts it; the restarted controller adopts the replicas and the cache service."""
     ray.kill(backend.controller, no_restart=False)
+
+
+class HandoffCorruptingReplica(TransferReplica):
+    """A replica whose prefill/decode hand-offs of request ids starting with "corrupt-" flip a byte
+    on the wire (after the checksum): the decoder refuses the package and this replica keeps the
+    request (`workers.handoff_replica`)."""
+
+    def corrupt_this_handoff(self, meta) -> bool:
+        return meta.request_id.startswith("corrupt-")

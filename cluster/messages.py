@@ -6,6 +6,8 @@
     front door --note_hot(HotPrefixMsg...)  the prompts it served, to warm new replicas with
     front door --transfer(TransferMsg)-->  <--bool: pages moved (one transfer per pair at a time,
                                            whichever front door asks)
+    front door --hand_off(HandoffMsg)-->   <--HandoffResultMsg: which replica now decodes the request
+                                           (prefill/decode disaggregation)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ReplicaEntryMsg:
     actor: object  # the replica's Ray actor handle
     info: ReplicaInfoMsg
     draining: bool = False
+    role: str = "mixed"  # "prefill" | "decode" with `cluster.pd` (`control.replica_roles`), else "mixed"
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,25 @@ class TransferResult:
     ok: bool
     num_bytes: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HandoffMsg:
+    """Hand the request `request_id`, held by `src_replica` after its first token, to `dst_replica`."""
+
+    request_id: str
+    src_replica: str
+    dst_replica: str
+
+
+@dataclass(frozen=True)
+class HandoffResultMsg:
+    """The controller's answer to a `HandoffMsg`: the replica whose `resume_stream` serves the rest
+    (`dst_replica`, or `src_replica` when it kept it: `delivered` False, `reason` why); `holder`
+    None when the source could not answer (it died: the request is lost there, retried from the start)."""
+
+    request_id: str
+    holder: str | None
+    delivered: bool
+    num_bytes: int = 0
+    reason: str | None = None

@@ -96,6 +96,7 @@ class EngineRunner:
         self._in_step = False
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
+        self._hand_offs: dict[str, Callable[[object], None]] = {}  # request id -> its hand-off (`submit`)
         self._stop = threading.Event()
         self.on_step: Callable[[LLMEngine], None] | None = None  # on the loop after each step (events, load)
         self._thread = threading.Thread(target=self._supervised_loop, name="engine-loop", daemon=True)
@@ -136,10 +137,15 @@ class EngineRunner:
         metrics.attach_engine_stats(self.engine_stats)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-               request_id: str | None = None, block_hashes: Sequence[BlockHash] | None = None) -> RequestStream:
+               request_id: str | None = None, block_hashes: Sequence[BlockHash] | None = None,
+               hand_off: Callable[[object], None] | None = None) -> RequestStream:
         """Validate and enqueue; raises `InvalidRequestError` at once for bad input and
         `ServerOverloadedError` when `max_queued` requests are already in flight. `block_hashes`:
-        the prompt's, when a front door already hashed it."""
+        the prompt's, when a front door already hashed it. `hand_off` (prefill/decode
+        disaggregation): right after the step that emits the request's first token (and before
+        the next), the request is exported (`LLMEngine.export_request`), its stream ends after that
+        output, and `hand_off(handoff)` is called on the loop thread; a request finished by that
+        step just finishes."""
         rid = request_id or new_request_id()
         stream = RequestStream(rid)
 
@@ -149,14 +155,24 @@ class EngineRunner:
             engine.add_request(prompt_token_ids, params, request_id=rid, cache_salt=cache_salt,
                                block_hashes=block_hashes)
             self._streams[rid] = stream
+            if hand_off is not None:
+                self._hand_offs[rid] = hand_off
 
         self.call(add)
+        return stream
+
+    def adopt_stream(self, request_id: str) -> RequestStream:
+        """A stream for a request imported into the engine (`LLMEngine.import_request`): its
+        outputs from the next step on. On the loop thread only (inside `call`)."""
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client went away); its stream ends with a plain `StreamEnd`."""
 
         def drop() -> None:
+            self._hand_offs.pop(request_id, None)
             if self.engine.abort(request_id):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
@@ -214,6 +230,7 @@ class EngineRunner:
         self.death = reason
         self.dead.set()
         error = EngineDeadError(reason)
+        self._hand_offs.clear()
         for rid in list(self._streams):
             self._streams.pop(rid).put(StreamEnd(error))
         while True:  # queued calls: each fails at once (call() sees `death`); run none of them
@@ -253,7 +270,23 @@ class EngineRunner:
                 stream.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
+                    self._hand_offs.pop(out.request_id, None)
+                elif out.new_token_ids and out.request_id in self._hand_offs:
+                    self._export(out.request_id)
             self._after_step()
+
+    def _export(self, request_id: str) -> None:
+        """Hand off a request that has just emitted its first token (`submit`'s `hand_off`)."""
+        hand_off = self._hand_offs.pop(request_id)
+        stream = self._streams.pop(request_id)
+        try:
+            handoff = self.engine.export_request(request_id)
+        except Exception as exc:  # noqa: BLE001 - the request ends with the error; the loop serves on
+            log.exception("export of %s failed", request_id)
+            stream.put(StreamEnd(exc))
+            return
+        hand_off(handoff)
+        stream.put(StreamEnd())
 
     def _after_step(self) -> None:
         if self.on_step is not None:

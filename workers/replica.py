@@ -27,6 +27,7 @@ import ray
 from cache_service.messages import LoadReportMsg
 from workers.engine.request import RequestOutput
 from workers.event_publisher import CacheSnapshot
+from workers.handoff_replica import HandoffMixin
 from workers.replica_messages import GenerateMsg, ReplicaInfoMsg, WorkCountsMsg, merge_outputs
 from workers.transfer import page_bytes
 
@@ -143,14 +144,28 @@ class Replica:
         """A Ray streaming generator of merged outputs (`merge_outputs`): every output available when the caller's
         previous item was produced is merged into one. Raises `ReplicaUnhealthyError` when this
         replica can no longer serve."""
+        self._check_health()
+        yield from self._relay(lambda: self._submit(msg))
+
+    def _submit(self, msg: GenerateMsg):
+        stream = self.runner.submit(list(msg.prompt_token_ids), msg.params, msg.cache_salt, msg.request_id,
+                                    block_hashes=msg.block_hashes,
+                                    hand_off=self._hold_handoff if msg.hand_off else None)
+        self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
+        return stream
+
+    def _hold_handoff(self, handoff) -> None:
+        """Where an exported request waits for its hand-off (`HandoffMixin`; plain replicas never export)."""
+        raise RuntimeError(f"{self.replica_id} cannot hand requests off")
+
+    def _relay(self, start) -> Iterator[RequestOutput]:
+        """The outputs of the runner stream `start()` returns, merged (`generate_stream`); raises
+        `ReplicaUnhealthyError` when this replica can no longer serve."""
         from workers.engine.errors import InvalidRequestError, ServerOverloadedError
         from workers.engine_runner import StreamEnd
 
-        self._check_health()
         try:
-            stream = self.runner.submit(list(msg.prompt_token_ids), msg.params, msg.cache_salt, msg.request_id,
-                                        block_hashes=msg.block_hashes)
-            self._num_accepted += 1  # after the engine has it: a report never misses it (it may count it twice)
+            stream = start()
             while True:
                 item = self._next_output(stream)
                 batch = []
@@ -335,5 +350,5 @@ class TransferMixin:
         return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop)
 
 
-class TransferReplica(TransferMixin, Replica):
+class TransferReplica(HandoffMixin, TransferMixin, Replica):
     pass

@@ -31,6 +31,9 @@ class GenerateMsg:
     params: SamplingParams
     cache_salt: str | None = None
     block_hashes: tuple[BlockHash, ...] | None = None  # the prompt's, hashed once by the front door (None: hash here)
+    # prefill/decode disaggregation: stop after the first token and hold the request for a hand-off
+    # (`HandoffMixin`); the stream then ends after that token without a finished output
+    hand_off: bool = False
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -43,6 +46,17 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     if any(out.logprobs is not None for out in outputs):
         logprobs = tuple(lp for out in outputs for lp in (out.logprobs or ()))
     return dataclasses.replace(last, new_token_ids=new, token_ids=(), logprobs=logprobs)
+
+
+@dataclass(frozen=True)
+class HandoffSentMsg:
+    """A replica's answer to `send_handoff`: whether the decoder took the request; if not, this
+    replica kept it (`hand_off_or_keep`) and streams it from `resume_stream`, and `reason` says why."""
+
+    request_id: str
+    delivered: bool
+    num_bytes: int = 0
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

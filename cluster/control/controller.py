@@ -46,13 +46,23 @@ from ray.exceptions import ActorUnavailableError
 
 from cache_service.router import RouterConfig
 from cluster.config import ClusterConfig
+from cluster.control.handoffs import Handoffs
 from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
+from cluster.control.replica_roles import ReplicaRoles
 from cluster.control.replica_set import ReplicaSet
 from cluster.control.service_shards import ServiceShards
 from cluster.control.transfers import Transfers
 from cluster.control.warmup import HotPrefixBook, Warmer, dry_run_estimate
 from cluster.ids import new_controller_epoch, service_name
-from cluster.messages import HotPrefixMsg, MembershipMsg, ReplicaEntryMsg, TransferMsg, TransferResult
+from cluster.messages import (
+    HandoffMsg,
+    HandoffResultMsg,
+    HotPrefixMsg,
+    MembershipMsg,
+    ReplicaEntryMsg,
+    TransferMsg,
+    TransferResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +118,8 @@ class ClusterController:
             log.warning("controller restarted: %d replicas adopted, %d started, %d gone", len(self.adopted),
                         len(started), len(gone))
         self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
+        self.handoffs = Handoffs(self.replicas, config.transfer_timeout_s)
+        self.roles = ReplicaRoles(config.pd)
         estimate = functools.partial(dry_run_estimate, self.shards, first.hash_block_size, first.fingerprint,
                                      self.replicas.routable)
         self.hot = HotPrefixBook(config.hot_prefixes)
@@ -126,7 +138,7 @@ class ClusterController:
 
     def membership(self) -> MembershipMsg:
         with self._lock:
-            entries = tuple(ReplicaEntryMsg(r.replica_id, r.actor, r.info, r.draining)
+            entries = tuple(ReplicaEntryMsg(r.replica_id, r.actor, r.info, r.draining, self.roles.role_of(r.replica_id))
                             for r in self.replicas.replicas.values())
             return MembershipMsg(self._version, entries, self.service_name, self.namespace, self.epoch,
                                  self.shards.num_shards)
@@ -141,6 +153,7 @@ class ClusterController:
         except Exception:  # noqa: BLE001 - the service is down; a restarted one never hears from it
             pass
         self.transfers.forget_replica(replica_id)
+        self.roles.forget(replica_id)
         self._changed()
         self.keeper.purged(replica_id, reason)  # a death: the restarter (if it keeps the count) replaces it
 
@@ -231,6 +244,11 @@ class ClusterController:
         return self.transfers.move(list(msg.prompt_token_ids), msg.cache_salt, msg.src_replica,
                                    msg.dst_replica, msg.num_tokens)
 
+    def hand_off(self, msg: HandoffMsg) -> HandoffResultMsg:
+        """Hand a request held after its first token from its prefill replica to a decode replica
+        (`control.handoffs`); the answer names the replica that decodes it now."""
+        return self.handoffs.hand_off(msg)
+
     def note_hot(self, items: list[HotPrefixMsg]) -> None:
         self.hot.merge(items)
 
@@ -248,6 +266,7 @@ class ClusterController:
     def stats(self) -> dict:
         return {"replica_deaths": self.replicas.num_deaths, "replica_restarts": self.keeper.num_restarts,
                 "replica_restart_failures": self.keeper.num_failed_restarts, **self.transfers.counters,
+                **self.handoffs.counters,
                 "version": self._version, "num_replicas": len(self.replicas.replicas),
                 "replica_slots": self.keeper.num_slots, "epoch": self.epoch, "restarted": self.restarted,
                 "replicas_adopted": len(self.adopted)}

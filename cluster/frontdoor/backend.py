@@ -25,6 +25,9 @@ per concept:
          fails with a retryable error)
       4. the cache service is down: route by load until Ray has restarted it; every replica then
          resyncs into it by itself (its next push is refused)
+      pd. with `cluster.pd`: step 1 routes among the prefill replicas only; after the first token
+         the controller hands the request to the decode replica with the fewest of this front
+         door's requests (`pick_decoder`) and the rest streams from it (`request_streams.py`)
       5. the controller is down (Ray restarts it; it adopts the running replicas): requests stream
          on from the replicas; a transfer asked of it recomputes, a failure report is left to its
          health checks, and the membership is fetched again once it answers (a new epoch)
@@ -105,6 +108,7 @@ class ClusterBackend:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self.metrics: DoorMetrics | None = None
         self.num_retries = 0
+        self.handoff_counts = {"handoffs": 0, "handoffs_kept": 0}  # this front door's, by outcome
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
                        "alignment": first.alignment}
@@ -234,18 +238,59 @@ class ClusterBackend:
 
     def finished(self, job: Job, output: RequestOutput) -> None:
         self.hot.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
-        self.mover.observe_output(job.served_by, output)
+        self.mover.observe_output(job.prefilled_by or job.served_by, output)  # the prefill's speed
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.config.pd.enabled
+
+    def pick_decoder(self) -> str | None:
+        """The live decode replica with the fewest of this front door's requests (ties: the first
+        by id); None if there is none. Prefix holding is not weighed: an import computes no prompt
+        token on any decoder, a hit there only saves page writes."""
+        with self._lock:
+            loads = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
+                     if rep.role == "decode" and not rep.draining}
+            if not loads:
+                return None
+            target = min(sorted(loads), key=loads.get)
+            self.replicas.get(target).num_inflight += 1
+            return target
+
+    def hand_off(self, job: Job, src: str) -> str:
+        """`request_streams.FrontDoor.hand_off`: the controller moves the request src -> the chosen
+        decoder (or src keeps it: no decoder, a failed send or import)."""
+        from cluster.frontdoor.request_streams import StreamBrokenError
+        from cluster.messages import HandoffMsg
+
+        dst = self.pick_decoder()
+        try:
+            result = ray.get(self.controller.hand_off.remote(HandoffMsg(job.msg.request_id, src, dst or "")))
+        except Exception as exc:  # noqa: BLE001 - the controller died mid-hand-off: retry from the start
+            result = None
+            log.warning("hand-off of %s not done: %s", job.msg.request_id, exc)
+        if dst is not None and (result is None or result.holder != dst):
+            self.release(dst)
+        if result is None or result.holder is None:
+            raise StreamBrokenError(f"hand-off of {job.msg.request_id} from {src} failed"
+                                    f"{'' if result is None else ': ' + str(result.reason)}")
+        with self._lock:
+            self.handoff_counts["handoffs" if result.delivered else "handoffs_kept"] += 1
+        return result.holder
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route, reserve this front door's count on the target, move pages if planned; the target.
-        Raises `NoReplicaError`."""
+        With `cluster.pd`, among the prefill replicas only. Raises `NoReplicaError`."""
         if job.forced is not None and self.replicas.get(job.forced) is None:
             try:
                 self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
             except Exception:  # noqa: BLE001 - the controller restarting: route among those known
                 log.debug("membership refresh failed", exc_info=True)
         with self._lock:
-            inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items() if not rep.draining}
+            inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
+                        if not rep.draining and rep.role != "decode"}
+            if self.disaggregated:  # the service's own pick must be a prefill replica too
+                exclude = exclude + tuple(r for r, rep in self.replicas.replicas.items() if rep.role == "decode")
         target, decision = self.routing.route(job.msg, inflight, job.forced, exclude)
         with self._lock:
             rep = self.replicas.get(target)

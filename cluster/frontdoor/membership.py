@@ -27,6 +27,7 @@ class MemberReplica:
     info: ReplicaInfoMsg
     draining: bool = False  # routed no more (the controller waits for its requests, then stops it)
     num_inflight: int = 0  # this front door's requests on it
+    role: str = "mixed"  # "prefill" | "decode" with `cluster.pd` (`control.replica_roles`)
 
 
 class MembershipView:
@@ -50,7 +51,7 @@ class MembershipView:
             old = self.replicas
             self.replicas = {e.replica_id: MemberReplica(e.replica_id, e.actor, e.info, draining=e.draining,
                                                          num_inflight=old[e.replica_id].num_inflight
-                                                         if e.replica_id in old else 0)
+                                                         if e.replica_id in old else 0, role=e.role)
                              for e in msg.replicas}
             self.version, self.epoch = msg.version, msg.epoch
             self.service_name, self.namespace = msg.service_name, msg.namespace

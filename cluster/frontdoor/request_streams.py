@@ -7,6 +7,12 @@
                            the start (greedy / seeded outputs are deterministic) and only tokens
                            past those already delivered go out (the others are checked equal)
       unseeded sampling    cannot resume after tokens went out: a retryable error (HTTP 503)
+
+    with `cluster.pd` (prefill/decode disaggregation) an attempt has two legs: the prefill replica
+    streams the first token and holds the request (`GenerateMsg.hand_off`); the front door has the
+    controller hand it to a decode replica (`FrontDoor.hand_off`) and streams the rest from
+    whichever replica holds it then (the decoder, or the prefill replica when the hand-off failed
+    and it kept the request); the tokens counted across both legs, so none goes out twice
 """
 
 from __future__ import annotations
@@ -45,14 +51,16 @@ class Job:
     stream: RequestStream
     forced: str | None
     cancelled: bool = False
-    replica_id: str | None = None  # the replica of the current attempt
+    replica_id: str | None = None  # the replica of the current attempt (its decode replica after a hand-off)
     served_by: str | None = None  # the replica that finished it
+    prefilled_by: str | None = None  # with `cluster.pd`: the replica that prefilled it
 
 
 class FrontDoor(Protocol):
     """What serving a request needs from its front door (`ClusterBackend`)."""
 
     max_attempts: int
+    disaggregated: bool  # `cluster.pd`: prefill on one replica, decode on another
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route (and move pages if planned); the target, its in-flight count booked. Raises `NoReplicaError`."""
@@ -66,6 +74,11 @@ class FrontDoor(Protocol):
     def replica(self, replica_id: str) -> MemberReplica | None: ...
 
     def count_retry(self) -> None: ...
+
+    def hand_off(self, job: Job, src: str) -> str:
+        """Hand the request `src` holds after its first token to a decode replica; the replica that
+        holds it now (its in-flight count booked unless it is `src`). Raises `StreamBrokenError`
+        when `src` could not answer (the request is retried from the start)."""
 
     def finished(self, job: Job, output: RequestOutput) -> None:
         """Called before the final output goes out (the front door remembers the prompt as hot, and
@@ -90,8 +103,9 @@ def serve_request(door: FrontDoor, job: Job) -> None:
                     return
             except (RayActorError, StreamBrokenError, ReplicaUnhealthyError) as exc:
                 unhealthy = isinstance(exc, ReplicaUnhealthyError)
-                door.purge(target, f"unhealthy ({exc})" if unhealthy else f"died ({type(exc).__name__})")
-                failed.append(target)
+                broken = job.replica_id or target  # after a hand-off: the decode replica's leg failed
+                door.purge(broken, f"unhealthy ({exc})" if unhealthy else f"died ({type(exc).__name__})")
+                failed.append(broken)
                 if delivered and job.msg.params.temperature > 0 and job.msg.params.seed is None:
                     job.stream.put(StreamEnd(ReplicaFailedError(
                         f"replica {target} died mid-stream; an unseeded sampled request cannot resume: retry")))
@@ -106,18 +120,51 @@ def serve_request(door: FrontDoor, job: Job) -> None:
 
 
 def stream_from(door: FrontDoor, job: Job, target: str, delivered: list[int]) -> bool:
-    """Stream `target`'s outputs into the job's stream; True when the request finished."""
+    """Stream `target`'s outputs into the job's stream (with `cluster.pd`: its first token, then
+    the decode replica's); True when the request finished."""
     rep = door.replica(target)
+    job.replica_id = target
     if rep is None:  # found dead (by another request or a health check) since it was chosen
         raise StreamBrokenError(f"replica {target} is gone")
-    job.replica_id = target
-    produced = 0  # tokens this attempt has produced (a retry starts again from 0)
-    for ref in rep.actor.generate_stream.remote(job.msg):
+    msg = dataclasses.replace(job.msg, hand_off=True) if door.disaggregated else job.msg
+    done, produced = _relay(door, job, target, rep.actor.generate_stream.remote(msg), delivered, 0)
+    if done or not msg.hand_off or job.cancelled:
+        return _ended(job, target, done)
+    job.prefilled_by = target
+    holder = door.hand_off(job, target)
+    try:
+        job.replica_id = holder
+        rep = door.replica(holder)
+        if rep is None:
+            raise StreamBrokenError(f"replica {holder} is gone")
+        done, _ = _relay(door, job, holder, rep.actor.resume_stream.remote(job.msg.request_id), delivered,
+                         produced)
+        return _ended(job, holder, done)
+    finally:
+        if holder != target:
+            door.release(holder)
+
+
+def _ended(job: Job, replica_id: str, done: bool) -> bool:
+    if done:
+        return True
+    if job.cancelled:  # aborted (client gone): the replica ended the stream on purpose
+        job.stream.put(StreamEnd())
+        return True
+    raise StreamBrokenError(f"replica {replica_id} ended the stream early")
+
+
+def _relay(door: FrontDoor, job: Job, replica_id: str, refs, delivered: list[int],
+           produced: int) -> tuple[bool, int]:
+    """Relay a replica's merged outputs (`refs`) into the job's stream, `produced` tokens of this
+    attempt already out; (finished, tokens produced). Tokens the caller already has are checked
+    equal and not sent again."""
+    for ref in refs:
         delta: RequestOutput = ray.get(ref)
         new = delta.new_token_ids
         overlap = max(0, min(produced + len(new), len(delivered)) - produced)
         if tuple(delivered[produced: produced + overlap]) != tuple(new[:overlap]):
-            raise RuntimeError(f"replica {target} produced a different output after a retry")
+            raise RuntimeError(f"replica {replica_id} produced a different output after a retry")
         fresh = new[overlap:]
         produced += len(new)
         if not fresh and not delta.finished:
@@ -126,12 +173,9 @@ def stream_from(door: FrontDoor, job: Job, target: str, delivered: list[int]) ->
         logprobs = None if delta.logprobs is None else tuple(delta.logprobs[len(delta.logprobs) - len(fresh):])
         out = dataclasses.replace(delta, new_token_ids=tuple(fresh), token_ids=tuple(delivered), logprobs=logprobs)
         if out.finished:
-            job.served_by = target
+            job.served_by = replica_id
             door.finished(job, out)
         job.stream.put(out)
         if out.finished:
-            return True
-    if job.cancelled:  # aborted (client gone): the replica ended the stream on purpose
-        job.stream.put(StreamEnd())
-        return True
-    raise StreamBrokenError(f"replica {target} ended the stream early")
+            return True, produced
+    return False, produced

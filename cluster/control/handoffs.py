@@ -1,0 +1,79 @@
+"""Prefill/decode hand-offs between replicas, done by the controller as page transfers are
+(`control.transfers`): the source's endpoint to the destination, `send_handoff` and `recv_handoff`
+started together over their pair channel ("src->dst#h<gen>", one hand-off per ordered pair at a
+time). The source decides the outcome: it keeps the request on any failure (`hand_off_or_keep`),
+so a failed hand-off loses nothing; the pair's channel is then dropped and the next one opens fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from cluster.control.replica_set import ReplicaSet
+from cluster.messages import HandoffMsg, HandoffResultMsg
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_TIMEOUT_S = 10.0
+
+
+class Handoffs:
+    def __init__(self, replicas: ReplicaSet, timeout_s: float = 120.0) -> None:
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.counters = {"handoffs": 0, "handoffs_kept": 0, "handoff_failures": 0}
+        self._lock = threading.Lock()
+        self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._channel_gen: dict[tuple[str, str], int] = {}
+
+    def hand_off(self, msg: HandoffMsg) -> HandoffResultMsg:
+        src, dst = msg.src_replica, msg.dst_replica
+        with self._lock:
+            pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
+        with pair_lock:
+            s, d = self.replicas.get(src), self.replicas.get(dst)
+            if s is None:
+                return self._failed(msg, f"{src} is gone")
+            gen = self._channel_gen.get((src, dst), 0)
+            received = None
+            try:
+                if d is None:
+                    raise RuntimeError(f"{dst} is gone")
+                endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
+                received = d.actor.recv_handoff.remote(src, endpoint, gen)
+            except Exception as exc:  # noqa: BLE001 - no receiver: the source keeps it (its send fails fast)
+                log.warning("hand-off %s -> %s of %s: no receiver (%s)", src, dst, msg.request_id, exc)
+            try:
+                sent = ray.get(s.actor.send_handoff.remote(msg.request_id, dst if received is not None else None, gen),
+                               timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the source died or could keep it nowhere
+                self._drop_pair(src, dst)
+                return self._failed(msg, f"{type(exc).__name__}: {exc}")
+            if received is not None:
+                try:
+                    ray.get(received, timeout=self.timeout_s)
+                except Exception as exc:  # noqa: BLE001 - the source kept it (sent.delivered is False)
+                    log.info("hand-off %s -> %s of %s refused by the receiver: %s", src, dst, msg.request_id, exc)
+            if not sent.delivered:
+                self._drop_pair(src, dst)
+                self.counters["handoffs_kept"] += 1
+                log.warning("hand-off %s -> %s of %s failed (%s): %s decodes it", src, dst, msg.request_id,
+                            sent.reason, src)
+                return HandoffResultMsg(msg.request_id, src, False, 0, sent.reason)
+            self.counters["handoffs"] += 1
+            return HandoffResultMsg(msg.request_id, dst, True, sent.num_bytes)
+
+    def _failed(self, msg: HandoffMsg, reason: str) -> HandoffResultMsg:
+        self.counters["handoff_failures"] += 1
+        log.warning("hand-off of %s failed: %s", msg.request_id, reason)
+        return HandoffResultMsg(msg.request_id, None, False, 0, reason)
+
+    def _drop_pair(self, src: str, dst: str) -> None:
+        self._channel_gen[(src, dst)] = self._channel_gen.get((src, dst), 0) + 1
+        for a, b in ((src, dst), (dst, src)):
+            rep = self.replicas.get(a)
+            if rep is not None:
+                rep.actor.drop_channel.remote(b)

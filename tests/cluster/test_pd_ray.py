@@ -1,0 +1,98 @@
+"""Prefill/decode disaggregation through a real 2-replica Ray cluster (`cluster.pd` 1:1): each
+request prefills on the prefill replica, is handed off after its first token over the replicas'
+pair channel, and decodes on the decode replica; outputs equal one in-process engine's token for
+token, nothing is streamed twice, the decoder computes no prompt token, and a corrupted hand-off
+finishes on the prefill replica with the same output."""
+
+import pytest
+
+from bench.fault_doubles import HandoffCorruptingReplica
+from tests.conftest import make_prompt
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [make_prompt(150, 7), make_prompt(90, 8)]
+
+
+def _config(k: int) -> EngineConfig:
+    return EngineConfig(kernels="torch", max_model_len=512, cache_memory_bytes=16 * 2**20, num_spec_tokens=k,
+                        eagle_mode="lossless")
+
+
+def _reference(tiny_dir, k: int, prompt: list[int]) -> tuple[int, ...]:
+    engine = LLMEngine.from_checkpoint(tiny_dir, _config(k))
+    rid = engine.add_request(prompt, PARAMS)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.token_ids
+
+
+@pytest.fixture(scope="module", params=[0, 3], ids=["k0", "k3-lossless"])
+def pd_cluster(request, ray_session, tiny_dir):
+    from cluster.config import ClusterConfig, PDConfig
+    from cluster.frontdoor.backend import ClusterBackend
+
+    k = request.param
+    backend = ClusterBackend(tiny_dir, _config(k), ClusterConfig(name=None, num_replicas=2,
+                                                                 pd=PDConfig(num_prefill=1, num_decode=1)),
+                             replica_cls=HandoffCorruptingReplica)
+    roles = {rep.role: r for r, rep in backend.replicas.replicas.items()}
+    yield k, backend, roles["prefill"], roles["decode"]
+    backend.shutdown()
+
+
+def _work(ray_session, backend, replica_id: str) -> int:
+    return ray_session.get(backend.replicas.get(replica_id).actor.work_counts.remote()).num_computed_prompt_tokens
+
+
+def test_pd_outputs_equal_one_engine_and_the_decoder_computes_no_prompt(pd_cluster, ray_session, tiny_dir):
+    # catches: a hand-off that loses or repeats a token (first token from A, rest from B), decoding
+    # that diverges after the import (sampler, drafts, pages), the decoder re-running the prompt, the
+    # front door routing prefill to the decode replica, usage counters taken from the wrong side
+    k, backend, prefill, decode = pd_cluster
+    for prompt in PROMPTS:
+        expect = _reference(tiny_dir, k, prompt)
+        before = _work(ray_session, backend, decode)
+        stream = backend.submit(prompt, PARAMS)
+        outs = list(stream)
+        final = outs[-1]
+        assert final.finished and final.token_ids == expect
+        assert [t for o in outs for t in o.new_token_ids] == list(expect)  # nothing twice, nothing lost
+        assert final.num_prompt_tokens == len(prompt) and final.num_computed_prompt_tokens == len(prompt)
+        assert final.num_cached_tokens == 0 and final.finish_reason == "length"
+        assert _work(ray_session, backend, decode) == before == 0
+    assert _work(ray_session, backend, prefill) == sum(len(p) for p in PROMPTS)
+    assert backend.handoff_counts == {"handoffs": len(PROMPTS), "handoffs_kept": 0}
+    stats = ray_session.get(backend.replicas.get(decode).actor.engine_stats.remote())
+    assert stats["num_steps"] > 0  # the decoder did decode
+
+
+def test_resend_hits_on_the_prefill_replica_and_reports_cached_tokens(pd_cluster, ray_session, tiny_dir):
+    # catches: cached_tokens lost or recomputed across the hand-off (the importer's counters), or
+    # the export dropping the prefill replica's cache (the request is finished there as HANDOFF)
+    k, backend, prefill, decode = pd_cluster
+    prompt = PROMPTS[0]
+    final, served = backend.generate(prompt, PARAMS)
+    assert served == decode and final.token_ids == _reference(tiny_dir, k, prompt)
+    assert final.num_cached_tokens == 128  # floor(149 / 64) * 64: A's prompt pages stayed cached
+    assert final.num_computed_prompt_tokens == len(prompt) - 128
+
+
+def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_session, tiny_dir):
+    # catches: a failed hand-off that loses the request (no fallback), streams the first token twice,
+    # or hangs; and a decoder that imports a corrupted package (it must refuse it)
+    k, backend, prefill, decode = pd_cluster
+    prompt = make_prompt(120, 9)
+    before = backend.handoff_counts["handoffs_kept"]
+    stream = backend.submit(prompt, PARAMS, request_id=f"corrupt-{k}")
+    outs = list(stream)
+    expect = _reference(tiny_dir, k, prompt)
+    assert outs[-1].finished and outs[-1].token_ids == expect
+    assert [t for o in outs for t in o.new_token_ids] == list(expect)
+    assert backend.handoff_counts["handoffs_kept"] == before + 1
+    assert ray_session.get(backend.controller.stats.remote())["handoffs_kept"] == before + 1  # and the controller

@@ -1,0 +1,134 @@
+"""Prefill/decode hand-offs between replica actors (issue 31), over the replicas' pair channels.
+
+    prefill replica A                         controller                     decode replica B
+    generate_stream(msg, hand_off=True)
+      ... first token out, stream ends;
+      the request exported and held here
+                                              hand_off(rid, A, B):
+    send_handoff(rid, B, gen)            <-   both at once, A's endpoint  ->  recv_handoff(A, endpoint, gen)
+      hand_off_or_keep: send over the                                        receive_handoff_into: import,
+      channel "A->B#h<gen>"; on any                                          open the request's stream
+      failure re-import here (kept)                                          (or refuse: A keeps it)
+                                              -> HandoffSentMsg
+    resume_stream(rid) on whichever holds it now (B, or A when it kept it): the rest of the outputs
+
+An import (here or on B) opens the request's runner stream on the loop thread in the same call as
+the engine's import, so no output of the next step is missed; `resume_stream` relays it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import ray
+
+from workers.engine.errors import HandoffError
+from workers.engine.request import RequestOutput
+from workers.replica_messages import HandoffSentMsg
+
+
+class _StreamingImporter:
+    """The engine as `receive_handoff_into` / `hand_off_or_keep` see it: `import_request` (on the
+    loop thread) also opens the request's stream; `refuse` is the receiving side's test seam."""
+
+    def __init__(self, replica: HandoffMixin, refuse: bool) -> None:
+        self.replica = replica
+        self.refuse = refuse
+
+    def import_request(self, handoff):
+        replica = self.replica
+        reason = replica.refuse_handoff(handoff.meta) if self.refuse else None
+        if reason is not None:
+            raise HandoffError(reason)
+        result = replica.runner.engine.import_request(handoff)
+        stream = replica.runner.adopt_stream(result.request_id)
+        with replica._handoff_lock:
+            replica._resumed[result.request_id] = stream
+        return result
+
+
+class HandoffMixin:
+    """A replica's side of prefill/decode hand-offs (module docstring). Needs `TransferMixin`'s
+    channels and `Replica`'s runner and `_relay`."""
+
+    _handoff_lock = threading.Lock()  # replaced per actor in `_handoff_state`
+
+    def _handoff_state(self) -> None:
+        if "_held" not in self.__dict__:
+            self._handoff_lock = threading.Lock()
+            self._held: dict = {}  # request id -> Handoff exported and waiting for `send_handoff`
+            self._resumed: dict = {}  # request id -> runner stream of an imported request
+
+    def _hold_handoff(self, handoff) -> None:
+        """The runner exported a request after its first token (on the loop thread): keep it for
+        `send_handoff`."""
+        self._handoff_state()
+        with self._handoff_lock:
+            self._held[handoff.meta.request_id] = handoff
+
+    def refuse_handoff(self, meta) -> str | None:
+        """Why to refuse an incoming hand-off, or None to import it (a seam for test doubles)."""
+        return None
+
+    def corrupt_this_handoff(self, meta) -> bool:
+        """Whether to flip a byte of this hand-off's first chunk on the wire (a seam for test doubles)."""
+        return False
+
+    @ray.method(concurrency_group="transfer")
+    def send_handoff(self, request_id: str, peer_id: str | None, generation: int = 0) -> HandoffSentMsg:
+        """Send the held `request_id` to `peer_id` (whose `recv_handoff` the controller calls at the
+        same time); on any failure keep it here (`hand_off_or_keep`): it decodes here and
+        `resume_stream` serves it either way (`peer_id` None: no receiver, keep it). Raises
+        `HandoffError` when nothing is held under that id, or when it can be kept neither there nor
+        here (the package is then held again)."""
+        from workers.handoff_transfer import hand_off_or_keep, send_handoff
+
+        self._handoff_state()
+        with self._handoff_lock:
+            handoff = self._held.pop(request_id, None)
+        if handoff is None:
+            raise HandoffError(f"{self.replica_id} holds no request {request_id!r} to hand off")
+        corrupt = 0 if self.corrupt_this_handoff(handoff.meta) else None
+        sent = []
+
+        def send(h):  # the channel's set-up too: a failure there keeps the request here
+            if peer_id is None:
+                raise HandoffError("no receiver")
+            channel = self._channel(f"{self.replica_id}->{peer_id}#h{generation}", 0, None)
+            sent.append(send_handoff(channel, h, corrupt_chunk=corrupt))
+
+        try:
+            delivery = hand_off_or_keep(_StreamingImporter(self, refuse=False), handoff, send, on_loop=self._on_loop)
+        except Exception:
+            self._hold_handoff(handoff)
+            raise
+        return HandoffSentMsg(request_id, delivery.delivered, sent[0].num_payload_bytes if sent else 0,
+                              delivery.failure)
+
+    @ray.method(concurrency_group="transfer")
+    def recv_handoff(self, peer_id: str, endpoint: tuple[str, int], generation: int = 0) -> int:
+        """Receive a hand-off from `peer_id` and import it (its stream opened for `resume_stream`);
+        the bytes written. Raises as `receive_handoff_into` does (the sender then keeps it)."""
+        from workers.handoff_transfer import receive_handoff_into
+
+        self._handoff_state()
+        channel = self._channel(f"{peer_id}->{self.replica_id}#h{generation}", 1, tuple(endpoint))
+        imported = receive_handoff_into(_StreamingImporter(self, refuse=True), channel, on_loop=self._on_loop)
+        return imported.num_bytes_written
+
+    @ray.method(concurrency_group="streams")
+    def resume_stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """The outputs of a request imported here (`recv_handoff`, or kept by `send_handoff`), from
+        the step after its import, merged as `generate_stream`'s."""
+        self._check_health()
+
+        def start():
+            self._handoff_state()
+            with self._handoff_lock:
+                stream = self._resumed.pop(request_id, None)
+            if stream is None:
+                raise HandoffError(f"{self.replica_id} imported no request {request_id!r}")
+            return stream
+
+        yield from self._relay(start)
