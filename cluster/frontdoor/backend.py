@@ -27,7 +27,7 @@ per concept:
          resyncs into it by itself (its next push is refused)
       pd. with `cluster.pd`: step 1 routes among the prefill replicas only; after the first token
          the controller hands the request to the decode replica with the fewest of this front
-         door's requests (`pick_decoder`) and the rest streams from it (`request_streams.py`)
+         door's requests (`decode_handoffs.py`) and the rest streams from it (`request_streams.py`)
       5. the controller is down (Ray restarts it; it adopts the running replicas): requests stream
          on from the replicas; a transfer asked of it recomputes, a failure report is left to its
          health checks, and the membership is fetched again once it answers (a new epoch)
@@ -51,6 +51,7 @@ from cache_service.router import RouterConfig
 from cache_service.transfer_plan import plan_transfer
 from cluster.config import ClusterConfig
 from cluster.control.controller import CONTROLLER_MAX_RESTARTS, AutoscalerProxy, ClusterController, wait_until_ready
+from cluster.frontdoor.decode_handoffs import DecodeHandoffs
 from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
@@ -108,7 +109,7 @@ class ClusterBackend:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self.metrics: DoorMetrics | None = None
         self.num_retries = 0
-        self.handoff_counts = {"handoffs": 0, "handoffs_kept": 0}  # this front door's, by outcome
+        self.handoffs = DecodeHandoffs(self.replicas, self._lock)
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
                        "alignment": first.alignment}
@@ -244,39 +245,13 @@ class ClusterBackend:
     def disaggregated(self) -> bool:
         return self.config.pd.enabled
 
-    def pick_decoder(self) -> str | None:
-        """The live decode replica with the fewest of this front door's requests (ties: the first
-        by id); None if there is none. Prefix holding is not weighed: an import computes no prompt
-        token on any decoder, a hit there only saves page writes."""
-        with self._lock:
-            loads = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
-                     if rep.role == "decode" and not rep.draining}
-            if not loads:
-                return None
-            target = min(sorted(loads), key=loads.get)
-            self.replicas.get(target).num_inflight += 1
-            return target
+    @property
+    def handoff_counts(self) -> dict[str, int]:
+        return self.handoffs.counts
 
     def hand_off(self, job: Job, src: str) -> str:
-        """`request_streams.FrontDoor.hand_off`: the controller moves the request src -> the chosen
-        decoder (or src keeps it: no decoder, a failed send or import)."""
-        from cluster.frontdoor.request_streams import StreamBrokenError
-        from cluster.messages import HandoffMsg
-
-        dst = self.pick_decoder()
-        try:
-            result = ray.get(self.controller.hand_off.remote(HandoffMsg(job.msg.request_id, src, dst or "")))
-        except Exception as exc:  # noqa: BLE001 - the controller died mid-hand-off: retry from the start
-            result = None
-            log.warning("hand-off of %s not done: %s", job.msg.request_id, exc)
-        if dst is not None and (result is None or result.holder != dst):
-            self.release(dst)
-        if result is None or result.holder is None:
-            raise StreamBrokenError(f"hand-off of {job.msg.request_id} from {src} failed"
-                                    f"{'' if result is None else ': ' + str(result.reason)}")
-        with self._lock:
-            self.handoff_counts["handoffs" if result.delivered else "handoffs_kept"] += 1
-        return result.holder
+        """`request_streams.FrontDoor.hand_off` (`decode_handoffs.DecodeHandoffs`)."""
+        return self.handoffs.hand_off(self.controller, job.msg.request_id, src, self.release)
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route, reserve this front door's count on the target, move pages if planned; the target.

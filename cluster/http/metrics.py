@@ -184,7 +184,10 @@ class ClusterCounters:
     front door exports the same values: aggregate them with max, not sum."""
 
     NAMES = {"replica_deaths": "replicas purged as dead, unhealthy or silent",
-             "replica_restarts": "replacements started for dead replicas (fixed replica count)"}
+             "replica_restarts": "replacements started for dead replicas (fixed replica count)",
+             "handoffs": "requests a prefill replica handed to a decode replica after the first token (cluster.pd)",
+             "handoffs_kept": "hand-offs that failed on the way: the prefill replica kept and finished the request",
+             "handoff_failures": "hand-offs with no replica left to hold the request: it is served again"}
     GAUGES = {"num_replicas": "replicas the controller runs (draining ones until they stop)",
               "replica_slots": "replicas the controller keeps, replacing dead ones (a fixed replica count; "
                                "no sample under the autoscaler)"}

@@ -7,6 +7,7 @@ finishes on the prefill replica with the same output."""
 import pytest
 
 from bench.fault_doubles import HandoffCorruptingReplica
+from cluster.http.metrics import Metrics
 from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -68,6 +69,10 @@ def test_pd_outputs_equal_one_engine_and_the_decoder_computes_no_prompt(pd_clust
         assert _work(ray_session, backend, decode) == before == 0
     assert _work(ray_session, backend, prefill) == sum(len(p) for p in PROMPTS)
     assert backend.handoff_counts == {"handoffs": len(PROMPTS), "handoffs_kept": 0}
+    metrics = Metrics()  # /metrics: the controller's hand-off counts
+    metrics.attach_cluster_counters(backend.status.controller_counters)
+    assert metrics.registry.get_sample_value("hybridserve_handoffs_total") == len(PROMPTS)
+    assert metrics.registry.get_sample_value("hybridserve_handoffs_kept_total") == 0
     stats = ray_session.get(backend.replicas.get(decode).actor.engine_stats.remote())
     assert stats["num_steps"] > 0  # the decoder did decode
 
