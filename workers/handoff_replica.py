@@ -14,11 +14,18 @@
 
 An import (here or on B) opens the request's runner stream on the loop thread in the same call as
 the engine's import, so no output of the next step is missed; `resume_stream` relays it.
+
+Nothing waits forever: a package no `send_handoff` asked for within `UNCLAIMED_TTL_S` (its front
+door died before asking) is dropped, and an imported request whose stream no `resume_stream`
+opened within it (the controller's answer was lost, so the front door reads the request from the
+prefill replica) is aborted here. Both are swept whenever a hand-off is held or imported here.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import ray
@@ -26,6 +33,10 @@ import ray
 from workers.engine.errors import HandoffError
 from workers.engine.request import RequestOutput
 from workers.replica_messages import HandoffSentMsg
+
+log = logging.getLogger(__name__)
+
+UNCLAIMED_TTL_S = 120.0  # a held package or an imported request nobody asked for, then dropped
 
 
 class _StreamingImporter:
@@ -43,8 +54,9 @@ class _StreamingImporter:
             raise HandoffError(reason)
         result = replica.runner.engine.import_request(handoff)
         stream = replica.runner.adopt_stream(result.request_id)
+        replica._sweep_unclaimed()
         with replica._handoff_lock:
-            replica._resumed[result.request_id] = stream
+            replica._resumed[result.request_id] = (stream, replica._clock())
         return result
 
 
@@ -53,19 +65,38 @@ class HandoffMixin:
     channels and `Replica`'s runner and `_relay`."""
 
     _handoff_lock = threading.Lock()  # replaced per actor in `_handoff_state`
+    _clock = staticmethod(time.monotonic)  # a seam for tests
 
     def _handoff_state(self) -> None:
         if "_held" not in self.__dict__:
             self._handoff_lock = threading.Lock()
-            self._held: dict = {}  # request id -> Handoff exported and waiting for `send_handoff`
-            self._resumed: dict = {}  # request id -> runner stream of an imported request
+            self._held: dict = {}  # request id -> (Handoff exported, waiting for `send_handoff`; when)
+            self._resumed: dict = {}  # request id -> (runner stream of an imported request; when)
 
     def _hold_handoff(self, handoff) -> None:
         """The runner exported a request after its first token (on the loop thread): keep it for
         `send_handoff`."""
         self._handoff_state()
+        self._sweep_unclaimed()
         with self._handoff_lock:
-            self._held[handoff.meta.request_id] = handoff
+            self._held[handoff.meta.request_id] = (handoff, self._clock())
+
+    def _sweep_unclaimed(self) -> None:
+        """Drop held packages and abort imported requests nobody claimed within `UNCLAIMED_TTL_S`."""
+        self._handoff_state()
+        horizon = self._clock() - UNCLAIMED_TTL_S
+        with self._handoff_lock:
+            held = [r for r, (_, t) in self._held.items() if t < horizon]
+            resumed = [r for r, (_, t) in self._resumed.items() if t < horizon]
+            for r in held:
+                del self._held[r]
+            for r in resumed:
+                del self._resumed[r]
+        for r in held:
+            log.warning("%s: hand-off package of %s never asked for: dropped", self.replica_id, r)
+        for r in resumed:
+            log.warning("%s: imported request %s never resumed: aborted", self.replica_id, r)
+            self.runner.abort(r)
 
     def refuse_handoff(self, meta) -> str | None:
         """Why to refuse an incoming hand-off, or None to import it (a seam for test doubles)."""
@@ -86,7 +117,7 @@ class HandoffMixin:
 
         self._handoff_state()
         with self._handoff_lock:
-            handoff = self._held.pop(request_id, None)
+            handoff, _ = self._held.pop(request_id, (None, None))
         if handoff is None:
             raise HandoffError(f"{self.replica_id} holds no request {request_id!r} to hand off")
         corrupt = 0 if self.corrupt_this_handoff(handoff.meta) else None
@@ -126,7 +157,7 @@ class HandoffMixin:
         def start():
             self._handoff_state()
             with self._handoff_lock:
-                stream = self._resumed.pop(request_id, None)
+                stream, _ = self._resumed.pop(request_id, (None, None))
             if stream is None:
                 raise HandoffError(f"{self.replica_id} imported no request {request_id!r}")
             return stream
