@@ -48,6 +48,11 @@ def test_a_replicas_measured_price_replaces_the_configured_one():
     moved = router.route(hashes.hashes, 300, both, host_prices=dear)
     assert moved.replica_id == "cold" and moved.transfer is not None and moved.transfer.src_replica == "host"
     assert router.route(hashes.hashes, 300, both).replica_id == "host"  # the configured 5.12
+    # the price is in recomputed tokens: it scales with prefill_cost_per_token (2: dev at load 100
+    # costs 88 + 100, host 88 + 2 x 65.6; unscaled, host's 88 + 65.6 would win)
+    doubled = Router(index, coord, "hybrid", RouterConfig(prefill_cost_per_token=2.0))
+    assert doubled.route(hashes.hashes, 300, {"dev": 100, "host": 0}, host_prices=measured).replica_id == "dev"
+    assert doubled.route(hashes.hashes, 300, {"dev": 140, "host": 0}, host_prices=measured).replica_id == "host"
     # a price for a replica without host tokens changes nothing (its device hit costs no copy)
     assert router.route(hashes.hashes, 300, {"dev": 0, "host": 0},
                         host_prices={"dev": HostCopyPrice(1e6, 1e6, 1.0)}).replica_id == "dev"
