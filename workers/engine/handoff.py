@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -39,8 +39,19 @@ from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling import Sampler, TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from workers.engine.engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What a hand-off reads and changes of `workers.engine.engine.LLMEngine` (a protocol: the
+    engine imports this module, not the other way round)."""
+
+    config: object  # EngineConfig
+    cache: EngineCacheManager
+    scheduler: object  # Scheduler: add_running
+    requests: dict[str, Request]
+    results: object  # StepResults: finish
+    state_copies: object  # PendingStateCopies: flush
+    pending_drafts: object  # PendingDrafts: flat_index, tokens
+    eos_token_ids: object
 
 
 @dataclass(frozen=True)
