@@ -4,9 +4,11 @@
     hybridserve loadtest chat --url http://127.0.0.1:8000  # drive a running server
     hybridserve loadtest resend --compare                  # one server per policy / EAGLE / retention variant
     hybridserve loadtest trace --trace bench/traces/mooncake_synthetic_trace.jsonl.gz --scale 0.0625 --time-scale 4
+    hybridserve loadtest interference --compare --axes pd --pd 2:2   # 4 mixed replicas vs 2 prefill + 2 decode
 
 Writes OUT/records.parquet (one row per request), OUT/loadtest.png, OUT/summary.json and prints a
-table (with --compare, also ratios against the baseline variant).
+table (with --compare, also ratios against the baseline variant); the interference workload also
+OUT/interference.png and a table of the decoding streams' ITL alone vs with long prompts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ import uuid
 from pathlib import Path
 
 from cluster.loadtest.client import ServerUnreachableError, run_workload
-from cluster.loadtest.compare import AXES, format_ratios, make_variants, run_compare
+from cluster.loadtest.compare import AXES, PD_AXIS, format_ratios, make_variants, run_compare
+from cluster.loadtest.interference_report import (
+    format_interference,
+    summarize_interference,
+    write_interference_plot,
+)
 from cluster.loadtest.outputs import write_parquet, write_plot
 from cluster.loadtest.records import LoadTestResult
 from cluster.loadtest.report import format_summaries, summarize
@@ -42,7 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--compare", action="store_true",
                         help="spawn one server per variant (router policies, EAGLE drop/lossless, retention "
                              "latest/interval) and print ratios against the config's own setting")
-    target.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES), help="variants for --compare")
+    target.add_argument("--axes", nargs="+", choices=[*AXES, PD_AXIS], default=list(AXES),
+                        help="variants for --compare (pd: mixed replicas vs the --pd split; not a default)")
+    target.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
+                        help="with --axes pd: P prefill + D decode replicas against P + D mixed ones")
     target.add_argument("--interval", type=int, default=128, help="retention interval (tokens) for --compare")
     size = p.add_argument_group("workload size")
     size.add_argument("--num-prompts", type=int, default=d.num_prompts, help="resend: distinct prompts")
@@ -71,9 +81,22 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--time-scale", type=float, default=d.time_scale, help="arrivals divided by this")
     trace.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="prompts are cut (prefix kept) so prompt + max_tokens fit the server's max_model_len")
+    inter = p.add_argument_group("interference workload (decoding streams, then again with long prompts arriving)")
+    inter.add_argument("--streams", type=int, default=d.streams, help="decoding streams per round")
+    inter.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="output tokens of each stream")
+    inter.add_argument("--long-prompts", type=int, default=d.long_prompts,
+                       help="long prompts (--prompt-len tokens, --max-tokens out) in the second round")
+    inter.add_argument("--long-gap", type=float, default=d.long_gap_s, help="seconds between long prompts")
     p.add_argument("--out", default="out/loadtest", help="output directory (default: out/loadtest, git-ignored)")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _pd_split(value: str) -> tuple[int, int]:
+    parts = value.split(":")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"P:D (prefill and decode replica counts, e.g. 2:2), got {value!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
@@ -87,7 +110,8 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
         tenants=args.tenants, questions_per_tenant=args.questions_per_tenant, rate=args.rate, seed=args.seed,
         salt=f"{salt}-{name}-" if salt else "", timeout_s=args.timeout, trace=args.trace,
         trace_start=args.trace_start, trace_limit=args.trace_limit, scale=args.scale, time_scale=args.time_scale,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, streams=args.streams, decode_tokens=args.decode_tokens,
+        long_prompts=args.long_prompts, long_gap_s=args.long_gap,
     ) for name in dict.fromkeys(args.workloads)]
     for config in configs:
         if config.workload == "trace":  # a bad file or scale is an error before any server starts
@@ -102,6 +126,13 @@ def write_outputs(results: list[LoadTestResult], out: Path) -> dict[str, Path]:
              "plot": write_plot(results, summaries, out / "loadtest.png"), "summary": out / "summary.json"}
     rows = [{**dataclasses.asdict(s), "warm_cold_ratio": s.warm_cold_ratio,
              "config": dataclasses.asdict(r.config)} for s, r in zip(summaries, results)]
+    interference = [r for r in results if r.workload == "interference"]
+    if interference:
+        paths["interference_plot"] = write_interference_plot(interference, out / "interference.png")
+        for row, r in zip(rows, results):
+            if r.workload == "interference":
+                s = summarize_interference(r)
+                row["interference"] = {**dataclasses.asdict(s), "p99_ratio": s.p99_ratio, "tpot_ratio": s.tpot_ratio}
     paths["summary"].write_text(json.dumps(rows, indent=2) + "\n")
     return paths
 
@@ -112,7 +143,7 @@ def _run(args: argparse.Namespace, configs: list[WorkloadConfig], out: Path) -> 
         return [run_workload(args.url, c, api_key=args.api_key, variant="server", show_progress=show)
                 for c in configs]
     if args.compare:
-        variants = make_variants(args.config, tuple(args.overrides), tuple(args.axes), args.interval)
+        variants = make_variants(args.config, tuple(args.overrides), tuple(args.axes), args.interval, args.pd)
         print("variants: " + ", ".join(v.name for v in variants), file=sys.stderr)
         return run_compare(args.config, variants, configs, log_dir=out, show_progress=show)
     variant = make_variants(args.config, tuple(args.overrides), ())[0]
@@ -137,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print("\nratios against the baseline (first) variant:")
         print(format_ratios(results))
+    interference = [summarize_interference(r) for r in results if r.workload == "interference"]
+    if interference:
+        print("\ninterference: decoding streams' ITL alone vs while long prompts arrive (p99 ratio: 1.0 = none)")
+        print(format_interference(interference))
     print("\n" + "  ".join(f"{k}: {v}" for k, v in paths.items()))
     return 0
 

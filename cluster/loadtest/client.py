@@ -1,6 +1,7 @@
 """Drives a server with a `Workload` over HTTP: streaming `/v1/completions`, bounded concurrency.
 
-TTFT is the time from sending the request to the first SSE chunk that carries a token. A request
+TTFT is the time from sending the request to the first SSE chunk that carries a token; the
+inter-token latencies (`itl_s`) are the gaps between later token deliveries. A request
 never raises: HTTP errors, transport errors and broken streams become a `RequestRecord` whose
 `status` says what happened (`"200"`, `"503"`, `"timeout"`, `"connect_error"`, ...). Only an
 unreachable server at the start raises `ServerUnreachableError`.
@@ -19,6 +20,10 @@ from cluster.loadtest.progress import Progress
 from cluster.loadtest.prometheus import scrape_metrics
 from cluster.loadtest.records import LoadTestResult, RequestRecord
 from cluster.loadtest.workloads import RequestSpec, Workload, WorkloadConfig, build_workload
+
+# token chunks closer than this came in one delivery (the server merges a stream's outputs when its
+# reader lags and writes them as back-to-back SSE events): one inter-token gap, not several zeros
+SAME_DELIVERY_S = 0.001
 
 
 class ServerUnreachableError(RuntimeError):
@@ -48,6 +53,7 @@ def _record_for(spec: RequestSpec, num_prompt_tokens: int) -> RequestRecord:
 async def _send(client: httpx.AsyncClient, body: dict, rec: RequestRecord, t_run: float) -> None:
     t0 = time.perf_counter()
     rec.start_s = t0 - t_run
+    last_token_t: float | None = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -65,8 +71,13 @@ async def _send(client: httpx.AsyncClient, body: dict, rec: RequestRecord, t_run
                     return
                 for choice in chunk["choices"]:  # none in the final usage chunk
                     tokens = choice.get("token_ids") or []
+                    now = time.perf_counter()
                     if rec.ttft_s is None and (tokens or choice.get("finish_reason")):
-                        rec.ttft_s = time.perf_counter() - t0
+                        rec.ttft_s = now - t0
+                    if tokens:
+                        if last_token_t is not None and now - last_token_t >= SAME_DELIVERY_S:
+                            rec.itl_s.append(now - last_token_t)
+                        last_token_t = now
                     rec.output_token_ids += tokens
                 usage = chunk.get("usage")
                 if usage:
@@ -93,10 +104,11 @@ async def _run_specs(url: str, workload: Workload, config: WorkloadConfig, api_k
     specs = workload.specs
     done = {s.index: asyncio.Event() for s in specs}
     records: dict[int, RequestRecord] = {}
-    limit = asyncio.Semaphore(config.concurrency)
+    concurrency = max(config.concurrency, workload.min_concurrency)
+    limit = asyncio.Semaphore(concurrency)
     t_run = time.perf_counter()
     timeout = httpx.Timeout(config.timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async with httpx.AsyncClient(base_url=url, headers=_headers(api_key), timeout=timeout, limits=limits) as client:
 
@@ -111,6 +123,8 @@ async def _run_specs(url: str, workload: Workload, config: WorkloadConfig, api_k
             else:
                 if spec.arrival_s is not None:
                     await asyncio.sleep(max(0.0, t_run + spec.arrival_s - time.perf_counter()))
+                if spec.delay_s:
+                    await asyncio.sleep(spec.delay_s)
                 body = {"prompt": prompt, "max_tokens": spec.max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}, "ignore_eos": True}
                 if spec.cache_salt:

@@ -6,8 +6,10 @@ Variants change one axis at a time around the config's own setting (the baseline
                                   every request sees the whole cache; the hit-rate ceiling)
     eagle      engine.eagle_mode  drop | lossless
     retention  engine.retention   latest | interval (every `interval` tokens)
+    pd         cluster.pd         P:D prefill/decode replicas (`--pd`, P + D = the config's
+                                  num_replicas) against the config's mixed replicas; not in the default axes
 
-A variant is named `policy/eagle/retention`; ones equal to the baseline collapse into it. Ratios
+A variant is named `policy/eagle/retention` (+ `/pdP:D`); ones equal to the baseline collapse into it. Ratios
 are taken against the baseline run of the same workload, and warm/cold within each run, so they
 hold on a noisy machine where absolute milliseconds do not.
 """
@@ -29,6 +31,7 @@ AXES = {
     "eagle": ("engine.eagle_mode", ("drop", "lossless")),
     "retention": ("engine.retention", ("latest", "interval")),
 }
+PD_AXIS = "pd"  # a `--compare` axis with no value list: the `--pd P:D` split against mixed replicas
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,31 @@ def _retention_override(value: str, interval: int) -> tuple[str, str]:
     return value, f"engine.retention={value}"
 
 
+def pd_overrides(pd: tuple[int, int]) -> tuple[str, ...]:
+    """`--set` values for a fixed count of P prefill + D decode replicas."""
+    num_prefill, num_decode = pd
+    n = num_prefill + num_decode
+    return (f"cluster.num_replicas={n}", f"cluster.min_replicas={n}", f"cluster.max_replicas={n}",
+            f"cluster.pd.num_prefill={num_prefill}", f"cluster.pd.num_decode={num_decode}")
+
+
 def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes: tuple[str, ...] = tuple(AXES),
-                  interval: int = 128) -> list[Variant]:
-    """The baseline first, then one variant per other value on each of `axes`."""
+                  interval: int = 128, pd: tuple[int, int] | None = None) -> list[Variant]:
+    """The baseline first, then one variant per other value on each of `axes` (`pd`: the `pd`
+    split, on the baseline's other settings, against the baseline's P + D mixed replicas)."""
     from cluster.config import load_config
 
-    unknown = sorted(set(axes) - set(AXES))
+    unknown = sorted(set(axes) - {*AXES, PD_AXIS})
     if unknown:
         raise ValueError(f"unknown compare axis {unknown[0]!r} (known: {', '.join(AXES)})")
+    if PD_AXIS in axes:  # every variant on P + D replicas: mixed ones unless it is the pd variant
+        if pd is None:
+            raise ValueError("the pd compare axis needs a split: --pd P:D")
+        n = pd[0] + pd[1]
+        overrides = (*overrides, f"cluster.num_replicas={n}", f"cluster.min_replicas={n}", f"cluster.max_replicas={n}")
     cfg = load_config(config_path, list(overrides))
+    if PD_AXIS in axes and cfg.cluster.pd.enabled:
+        raise ValueError("the pd compare axis compares against mixed replicas: drop cluster.pd from the config")
     base_retention = cfg.engine.retention if cfg.engine.retention in ("latest", "dense") else "interval"
     base = {"policy": cfg.router.policy, "eagle": cfg.engine.eagle_mode.value, "retention": base_retention}
     if base_retention == "interval":
@@ -69,7 +88,9 @@ def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes
                               f"engine.eagle_mode={setting['eagle']}", ret_override))
 
     variants = [variant(base)]
-    for axis in axes:
+    if PD_AXIS in axes:
+        variants.append(Variant(f"{variants[0].name}/pd{pd[0]}:{pd[1]}", (*variants[0].overrides, *pd_overrides(pd))))
+    for axis in (a for a in axes if a != PD_AXIS):
         for value in AXES[axis][1]:
             v = variant({**base, axis: value})
             if v.name not in {x.name for x in variants}:

@@ -16,7 +16,7 @@ SCHEMA = pa.schema([
     ("num_prompt_tokens", pa.int32()), ("max_tokens", pa.int32()), ("status", pa.string()), ("error", pa.string()),
     ("start_s", pa.float64()), ("ttft_s", pa.float64()), ("latency_s", pa.float64()), ("tpot_s", pa.float64()),
     ("completion_tokens", pa.int32()), ("cached_tokens", pa.int32()), ("computed_tokens", pa.int32()),
-    ("usage_prompt_tokens", pa.int32()),
+    ("usage_prompt_tokens", pa.int32()), ("itl_s", pa.list_(pa.float64())),
 ])
 
 
@@ -28,7 +28,7 @@ def records_table(results: list[LoadTestResult]) -> pa.Table:
          "start_s": r.start_s, "ttft_s": r.ttft_s, "latency_s": r.latency_s, "tpot_s": r.tpot_s,
          "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
          "computed_tokens": r.computed_tokens,
-         "usage_prompt_tokens": r.usage_prompt_tokens}
+         "usage_prompt_tokens": r.usage_prompt_tokens, "itl_s": r.itl_s}
         for res in results for r in res.records
     ]
     return pa.Table.from_pylist(rows, schema=SCHEMA)

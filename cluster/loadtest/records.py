@@ -31,6 +31,7 @@ class RequestRecord:
     computed_tokens: int | None = None  # prompt tokens the server ran through the model (usage extension)
     usage_prompt_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)  # gaps between token deliveries (client.SAME_DELIVERY_S)
 
     @property
     def ok(self) -> bool:

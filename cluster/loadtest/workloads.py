@@ -9,6 +9,7 @@ data: the same `WorkloadConfig` always builds the same prompts.
     tenants  tenant t: sys_t+q0 (cold)     then sys_t+q1, sys_t+q2 .. (warm, after every cold one:
                                            the system prompt ends at a shared-prefix junction)
     mixed    the three above, interleaved, arriving at `rate` requests/s
+    interference  decoding streams alone, then again with long prompts arriving (interference_workload.py)
     trace    a slice of a Mooncake trace at its own (scaled) arrival times (trace_workload.py)
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from workers.train.byte_tokenizer import encode
 
-WORKLOADS = ("resend", "chat", "tenants", "mixed", "trace")
+WORKLOADS = ("resend", "chat", "tenants", "mixed", "trace", "interference")
 MIXED_DEFAULT_RATE = 4.0  # requests/s when `mixed` is run without a rate
 
 _WORDS = (
@@ -56,14 +57,20 @@ class WorkloadConfig:
     scale: float = 1.0 / 16
     time_scale: float = 1.0
     max_model_len: int = 2048
+    streams: int = 4  # interference: decoding streams per round (prompt: question_len tokens)
+    decode_tokens: int = 64  # interference: output tokens of each stream
+    long_prompts: int = 4  # interference: long prompts (prompt_len tokens, max_tokens out) in the second round
+    long_gap_s: float = 0.5  # interference: seconds between long-prompt arrivals (and before the first)
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         for name in ("num_prompts", "prompt_len", "question_len", "max_tokens", "concurrency", "sessions", "turns",
-                     "tenants", "questions_per_tenant"):
+                     "tenants", "questions_per_tenant", "streams", "decode_tokens", "long_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_gap_s < 0:
+            raise ValueError(f"long_gap_s must be >= 0 s, got {self.long_gap_s}")
         if self.rate is not None and self.rate <= 0:
             raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
         if self.workload == "trace" and not self.trace:
@@ -92,12 +99,14 @@ class RequestSpec:
     after: tuple[int, ...] = ()
     extends: int | None = None
     arrival_s: float | None = None  # offset from the run's start (open loop only)
+    delay_s: float | None = None  # sent this long after its `after` requests finished (interference)
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
     specs: tuple[RequestSpec, ...]
+    min_concurrency: int = 1  # the client sends at least this many at once (interference: every request of a round)
 
     def __post_init__(self) -> None:
         assert all(s.index == i for i, s in enumerate(self.specs)), "specs[i].index must be i"
@@ -212,6 +221,10 @@ def build_workload(config: WorkloadConfig) -> Workload:
     """The workload named by `config.workload`; identical configs give identical workloads."""
     if config.workload == "trace":
         return Workload("trace", tuple(build_trace(config)))
+    if config.workload == "interference":
+        from cluster.loadtest.interference_workload import build_interference
+
+        return Workload("interference", tuple(build_interference(config)), config.streams + config.long_prompts)
     if config.workload == "mixed":
         specs = _interleave([build_resend(config), build_chat(config), build_tenants(config)])
     else:
