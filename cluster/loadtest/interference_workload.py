@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from cluster.loadtest.workloads import RequestSpec, WorkloadConfig, make_text_tokens
+from cluster.loadtest.workload_types import RequestSpec, WorkloadConfig, make_text_tokens
 
 
 def build_interference(config: WorkloadConfig) -> list[RequestSpec]:
