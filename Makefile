@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench chaos gpu-check mutants mutants-engine clean
+.PHONY: install test lint demo bench chaos long gpu-check mutants mutants-engine clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ chaos: $(STAMP)
 		&& apt-get update -qq && apt-get install -y -qq iproute2 redis-server >/dev/null; } \
 		|| echo "redis-server missing: the soak's gcs_restart test skips"
 	$(PY) -m pytest -q -m chaos tests/cluster
+
+# End-to-end benchmark runs too long for make test (marker `long`): the P/D interference load test
+# against a mixed and a --pd server (tests/cluster/test_loadtest_interference.py, ~50 s).
+long: $(STAMP)
+	$(PY) -m pytest -q -m long tests
 
 bench: $(STAMP)
 	$(PY) -m bench.lookup

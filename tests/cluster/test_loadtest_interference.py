@@ -87,6 +87,7 @@ def test_pd_variants_hold_the_replica_count():
 
 
 @pytest.mark.heavy
+@pytest.mark.long  # ~50 s (two Ray servers): make long, not make test
 @pytest.mark.timeout(180)
 def test_mixed_vs_pd_in_one_run(tmp_path, capsys):
     # catches: an ITL never recorded (or the first token's gap counted), a round missing in either
