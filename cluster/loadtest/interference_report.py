@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.loadtest.outputs import cdf_step
 from cluster.loadtest.records import LoadTestResult, RequestRecord
 from cluster.loadtest.report import format_table, percentile, ratio
 
@@ -120,11 +121,9 @@ def write_interference_plot(results: list[LoadTestResult], path: str | Path) -> 
     fig, (ax_cdf, ax_bar) = plt.subplots(1, 2, figsize=(11, 4.5))
     for res in results:
         for phase, style in (("control", "--"), ("interference", "-")):
-            xs = sorted(1000 * g for r in res.records if r.source == "decode" and r.phase == phase and r.ok
-                        for g in r.itl_s)
-            if xs:
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax_cdf.step(xs, ys, style, where="post", color=colour[res.variant], label=f"{res.variant} {phase}")
+            gaps = [1000 * g for r in res.records
+                    if r.source == "decode" and r.phase == phase and r.ok for g in r.itl_s]
+            cdf_step(ax_cdf, gaps, style, colour[res.variant], f"{res.variant} {phase}")
     ax_cdf.set_xscale("log")
     ax_cdf.set_xlabel("inter-token latency (ms, log)")
     ax_cdf.set_ylabel("fraction of gaps")

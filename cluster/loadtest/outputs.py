@@ -41,6 +41,13 @@ def write_parquet(results: list[LoadTestResult], path: str | Path) -> Path:
     return path
 
 
+def cdf_step(ax, values_ms: list[float], style: str, colour, label: str) -> None:
+    """One empirical CDF on `ax` (nothing when there are no values)."""
+    xs = sorted(values_ms)
+    if xs:
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post", color=colour, label=label)
+
+
 def write_plot(results: list[LoadTestResult], summaries: list[WorkloadSummary], path: str | Path) -> Path:
     """One panel per workload: TTFT empirical CDF, cold dashed vs warm solid, a colour per variant.
     Last panel: prefix-cache hit rate (all requests; warm requests as a tick) per variant and workload."""
@@ -58,10 +65,8 @@ def write_plot(results: list[LoadTestResult], summaries: list[WorkloadSummary], 
     for ax, workload in zip(axes[0], workloads):
         for res in (r for r in results if r.workload == workload):
             for phase, style in (("cold", "--"), ("warm", "-")):
-                xs = sorted(1000 * r.ttft_s for r in res.records if r.phase == phase and r.ok and r.ttft_s is not None)
-                if xs:
-                    ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                    ax.step(xs, ys, style, where="post", color=colour[res.variant], label=f"{res.variant} {phase}")
+                ttfts = [1000 * r.ttft_s for r in res.records if r.phase == phase and r.ok and r.ttft_s is not None]
+                cdf_step(ax, ttfts, style, colour[res.variant], f"{res.variant} {phase}")
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (ms, log)")
         ax.set_ylabel("fraction of requests")

@@ -134,17 +134,25 @@ def test_a_hand_off_over_gloo_decodes_as_on_one_engine(tiny_model, k, eagle, par
     assert b.num_computed_prompt_tokens == 0
 
 
+def lossless_pair(tiny_model, receiver_eagle: str):
+    """A k=3 lossless request exported from A after its first token, a channel pair, and B (k=3,
+    `receiver_eagle`) receiving on its end in a thread: (one engine's output, A, B, request id,
+    package, A's end, B's end, the thread, what it got)."""
+    ref = one_engine(tiny_model, 3, "lossless")
+    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, receiver_eagle)
+    rid = prefill(a, PROMPT)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    return ref, a, b, rid, handoff, end_a, end_b, thread, got
+
+
 def test_a_corrupted_chunk_is_refused_and_the_request_finishes_on_a(tiny_model):
     """Catches: a receiver that imports without checking every chunk, a sender that ignores the
     receiver's no (no fallback: the request would be lost), a fallback that recomputes the prompt,
     and a receiver that leaves the channel mid-stream on a bad chunk (the clean resend after it
     on the same channel would hang or mismatch)."""
-    ref = one_engine(tiny_model, 3, "lossless")
-    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, "lossless")
-    rid = prefill(a, PROMPT)
-    handoff = a.export_request(rid)
-    end_a, end_b = channel_pair()
-    thread, got = receiving(b, end_b)
+    ref, a, b, rid, handoff, end_a, end_b, thread, got = lossless_pair(tiny_model, "lossless")
     delivery = hand_off_or_keep(a, handoff, lambda h: send_handoff(end_a, h, chunk_bytes=CHUNK, corrupt_chunk=5))
     thread.join(timeout=30)
     assert isinstance(got["error"], HandoffStreamCorrupt) and "[5]" in str(got["error"])
@@ -165,12 +173,7 @@ def test_a_corrupted_chunk_is_refused_and_the_request_finishes_on_a(tiny_model):
 def test_a_receiver_that_refuses_the_import_sends_the_request_back(tiny_model):
     """Catches: a receiver that raises without answering (the sender would wait for the ack until
     the channel times out) and a sender that treats a refusal as delivered (the request is lost)."""
-    ref = one_engine(tiny_model, 3, "lossless")
-    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, "drop")
-    rid = prefill(a, PROMPT)
-    handoff = a.export_request(rid)
-    end_a, end_b = channel_pair()
-    thread, got = receiving(b, end_b)
+    ref, a, b, rid, handoff, end_a, end_b, thread, got = lossless_pair(tiny_model, "drop")
     with pytest.raises(HandoffRefused, match="eagle_mode"):
         send_handoff(end_a, handoff, chunk_bytes=CHUNK)
     thread.join(timeout=30)
