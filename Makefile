@@ -42,7 +42,8 @@ chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/cluster
 
 # End-to-end benchmark runs too long for make test (marker `long`): the P/D interference load test
-# against a mixed and a --pd server (tests/cluster/test_loadtest_interference.py, ~50 s).
+# against a mixed and a --pd server (tests/cluster/test_loadtest_interference.py, ~50 s) and the
+# control-plane benchmark run from the checkout's root (tests/bench/test_bench_outputs.py, ~30 s).
 long: $(STAMP)
 	$(PY) -m pytest -q -m long tests
 

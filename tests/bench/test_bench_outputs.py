@@ -28,8 +28,9 @@ def test_default_reports_are_under_out_and_write_report_makes_the_folder(tmp_pat
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("module, args, report", [
-    ("bench.control_plane", ["--replicas", "4", "--decisions", "30", "--resync-entries", "200", "--no-tiny"],
-     "out/bench-control-plane.json"),
+    # ~25-40 s, and tests/bench/test_control_plane.py runs the same benchmark: make long
+    pytest.param("bench.control_plane", ["--replicas", "4", "--decisions", "30", "--resync-entries", "200",
+                                         "--no-tiny"], "out/bench-control-plane.json", marks=pytest.mark.long),
     ("bench.faults", ["--scenarios", "drop_events", "--num-prompts", "1", "--prompt-len", "64"],
      "out/bench-faults.json"),
 ])
