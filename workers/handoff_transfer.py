@@ -40,7 +40,7 @@ import xxhash
 from workers.engine.errors import HandoffError
 from workers.engine.handoff import Handoff, HandoffImport
 from workers.handoff_codec import HandoffMetaError, decode_meta, encode_meta
-from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, TransferError, host_bytes
+from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, TransferError, checksum
 
 MAX_HEADER_BYTES = 64 * 2**20
 MAX_REASON_BYTES = 2**16
@@ -98,10 +98,6 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _checksum(t: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(host_bytes(t))
-
-
 def _wait(work, what: str):
     try:
         return work.wait()
@@ -134,7 +130,7 @@ def send_handoff(channel, handoff: Handoff, *, chunk_bytes: int = DEFAULT_CHUNK_
         "sampler_state": handoff.sampler_state is not None,
         "tensors": [[str(t.dtype), list(t.shape)] for t in _tensors(handoff)],
         "chunk_bytes": chunk_bytes,
-        "checksums": [_checksum(c) for c in chunks],
+        "checksums": [checksum(c) for c in chunks],
     }).encode()
     payload = sum(c.numel() for c in chunks)
     sizes = torch.tensor([len(header), payload, xxhash.xxh3_64_intdigest(header) - 2**63], dtype=torch.int64)
@@ -185,7 +181,7 @@ def recv_handoff(channel, *, device: str | torch.device = "cpu",
     for k, work in posted:
         _wait(work, f"chunk {k} of {len(bounds)}")
         i, a, b = bounds[k]
-        if _checksum(_bytes_of(tensors[i])[a:b]) != checksums[k]:
+        if checksum(_bytes_of(tensors[i])[a:b]) != checksums[k]:
             bad.append(k)
     if bad:
         raise HandoffStreamCorrupt(f"hand-off chunks {bad} of {len(bounds)} failed their checksum")

@@ -28,6 +28,7 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.link_costs import PageBytes
 from cache_service.promotion import pin_keys
 from workers.engine.cache_manager import EngineCacheManager
+from workers.engine.page_tensors import page_tensors
 
 
 class TransferError(RuntimeError):
@@ -60,16 +61,9 @@ class TransferHeader:
 
 
 def group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
-    """The page-indexed tensors of a group ([num_pages, ...] each), in a fixed order."""
-    caches = cache.caches
-    kind = cache.layout.groups[group].kind
-    if kind == "full":
-        return [t for layer in sorted(caches.kv) for t in caches.kv[layer]] + [cache.sidecar]
-    if kind == "mamba":
-        return [caches.conv[layer] for layer in sorted(caches.conv)] + [
-            caches.ssm[layer] for layer in sorted(caches.ssm)
-        ]
-    return [t for layer in sorted(caches.draft_kv) for t in caches.draft_kv[layer]]
+    """The page-indexed tensors a transfer moves for a group (`page_tensors.page_tensors`; the
+    full group's sidecar always travels)."""
+    return page_tensors(cache, group, sidecar=True)
 
 
 def page_bytes(cache: EngineCacheManager) -> PageBytes:
@@ -90,7 +84,8 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((t if t.device.type == "cpu" else t.cpu()).numpy())
 
 
-def _checksum(payload: torch.Tensor) -> str:
+def checksum(payload: torch.Tensor) -> str:
+    """xxh3-64 (hex) of a tensor's bytes."""
     return xxhash.xxh3_64_hexdigest(host_bytes(payload))
 
 
@@ -114,7 +109,7 @@ def export_prefix(
     header = TransferHeader(
         cache.config.model_fingerprint, str(parts[0].dtype), tp_size, tp_rank, cache.block_size,
         cache.config.mamba_block_size, num_tokens, tuple(tuple(k.hex() for k in keys) for keys in wanted),
-        payload.numel(), _checksum(payload),
+        payload.numel(), checksum(payload),
     )
     return header, payload
 
@@ -132,7 +127,7 @@ def import_prefix(
             raise TransferError(f"incompatible transfer: {name} is {getattr(header, name)!r}, here {value!r}")
     if len(header.keys) != len(cache.pools):
         raise TransferError(f"incompatible transfer: {len(header.keys)} groups, here {len(cache.pools)}")
-    if payload.numel() != header.nbytes or _checksum(payload) != header.checksum:
+    if payload.numel() != header.nbytes or checksum(payload) != header.checksum:
         raise TransferError("transfer payload failed its checksum")
     new = [[k for k in keys if bytes.fromhex(k) not in cache.pools[g].cached] for g, keys in enumerate(header.keys)]
     if not all(cache.pools[g].can_allocate(len(keys)) for g, keys in enumerate(new)):

@@ -9,7 +9,7 @@ that prefilled it to another that decodes it, byte-exact, in process.
 
 A `Handoff` is plain tensors plus one small frozen `HandoffMeta`, so a later transport can send it
 over the page-transfer channel (`workers/transfer.py`). Its pages, per cache group, one tensor per
-`page_tensors(cache, group)` entry, row j of each being:
+`_tensors(cache, group)` entry, row j of each being:
 
     full    target KV block j of the request, j < ceil(num_computed / block_size) (the partial last
             block included), with its lossless-EAGLE sidecar row when the engine keeps one
@@ -35,6 +35,7 @@ from cache_service.block_hash import RequestBlockHashes
 from cache_service.miss_reasons import LookupReport
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.errors import HandoffError
+from workers.engine.page_tensors import page_tensors
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling import Sampler, TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
@@ -135,15 +136,9 @@ class HandoffImport:
     num_bytes_written: int
 
 
-def page_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
-    """The page-indexed tensors of a group ([num_pages, ...] each), in a fixed order; the full
-    group's sidecar only where the engine keeps it (lossless EAGLE)."""
-    caches, kind = cache.caches, cache.layout.groups[group].kind
-    if kind == "mamba":
-        return [caches.conv[i] for i in sorted(caches.conv)] + [caches.ssm[i] for i in sorted(caches.ssm)]
-    pools = caches.draft_kv if kind == "draft" else caches.kv
-    rows = [t for i in sorted(pools) for t in pools[i]]
-    return rows + [cache.sidecar] if kind == "full" and cache.keeps_sidecar else rows
+def _tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
+    """A group's page tensors as a hand-off carries them: the sidecar only where it is kept."""
+    return page_tensors(cache, group, sidecar=cache.keeps_sidecar)
 
 
 def _request_pages(cache: EngineCacheManager, req: Request) -> list[list[int]]:
@@ -177,7 +172,7 @@ def export_request(engine: LLMEngine, request_id: str) -> Handoff:
         req.set_drafts(engine.pending_drafts.tokens.view(-1)[first : first + req.num_draft_tokens].tolist())
     pages = []
     for group, ids in enumerate(_request_pages(cache, req)):
-        tensors = page_tensors(cache, group)
+        tensors = _tensors(cache, group)
         index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
         pages.append(tuple(t.index_select(0, index) for t in tensors))  # copies: A's pages go back below
     seed, state = req.sampler.state()
@@ -232,7 +227,7 @@ def _check_page_shapes(cache: EngineCacheManager, handoff: Handoff) -> None:
         raise HandoffError(f"the hand-off has {len(handoff.pages)} cache groups, "
                            f"this engine {len(cache.layout.groups)}")
     for group, rows in enumerate(handoff.pages):
-        tensors = page_tensors(cache, group)
+        tensors = _tensors(cache, group)
         if len(rows) != len(tensors) or any(
                 r.shape[1:] != t.shape[1:] or r.dtype != t.dtype for r, t in zip(rows, tensors)):
             raise HandoffError(f"group {group}: the hand-off's pages do not have this engine's page shapes")
@@ -274,7 +269,7 @@ def _write_pages(cache: EngineCacheManager, req: Request, hit: int, handoff: Han
         written.append(len(src))
         if not src:
             continue
-        for t, r in zip(page_tensors(cache, group), rows):
+        for t, r in zip(_tensors(cache, group), rows):
             index = torch.tensor(src, dtype=torch.long, device=r.device)
             t.index_copy_(0, torch.tensor(dst[first:], dtype=torch.long, device=t.device),
                           r.index_select(0, index).to(t.device))

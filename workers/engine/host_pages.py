@@ -97,11 +97,12 @@ class HostPages:
     def probe(self) -> None:
         """Time copying one page of every group host -> device scratch (`PROBE_ROUNDS` times,
         synchronised): the copy speed before any promotion is seen."""
-        pairs = [pair for g in range(len(self.num_slots)) if self.num_slots[g] for pair in self._pairs(g)]
+        groups = [g for g, n in enumerate(self.num_slots) if n]
+        pairs = [pair for g in groups for pair in self._pairs(g)]
         if not pairs:
             return
         scratch = [torch.empty_like(device[0]) for device, _ in pairs]
-        num_bytes = sum(host[0].numel() * host.element_size() for _, host in pairs) * PROBE_ROUNDS
+        num_bytes = sum(self.page_bytes(g) for g in groups) * PROBE_ROUNDS
         cuda = self._non_blocking
         if cuda:
             torch.cuda.synchronize()
