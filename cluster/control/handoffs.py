@@ -2,22 +2,22 @@
 (`control.transfers`): the source's endpoint to the destination, `send_handoff` and `recv_handoff`
 started together over their pair channel ("src->dst#h<gen>", one hand-off per ordered pair at a
 time). The source decides the outcome: it keeps the request on any failure (`hand_off_or_keep`),
-so a failed hand-off loses nothing; the pair's channel is then dropped and the next one opens fresh.
+so a failed hand-off loses nothing; the pair's next hand-off then opens a fresh channel (a new
+generation, `pair_channels.py`). The replicas are not told to drop the old one: `drop_channel`
+forgets every channel with the peer, prefix transfers' too.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import ray
 
+from cluster.control.pair_channels import ENDPOINT_TIMEOUT_S, PairChannels
 from cluster.control.replica_set import ReplicaSet
 from cluster.messages import HandoffMsg, HandoffResultMsg
 
 log = logging.getLogger(__name__)
-
-ENDPOINT_TIMEOUT_S = 10.0
 
 
 class Handoffs:
@@ -25,19 +25,15 @@ class Handoffs:
         self.replicas = replicas
         self.timeout_s = timeout_s
         self.counters = {"handoffs": 0, "handoffs_kept": 0, "handoff_failures": 0}
-        self._lock = threading.Lock()
-        self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
-        self._channel_gen: dict[tuple[str, str], int] = {}
+        self.channels = PairChannels()
 
     def hand_off(self, msg: HandoffMsg) -> HandoffResultMsg:
         src, dst = msg.src_replica, msg.dst_replica
-        with self._lock:
-            pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
-        with pair_lock:
+        with self.channels.lock(src, dst):
             s, d = self.replicas.get(src), self.replicas.get(dst)
             if s is None:
                 return self._failed(msg, f"{src} is gone")
-            gen = self._channel_gen.get((src, dst), 0)
+            gen = self.channels.generation(src, dst)
             received = None
             try:
                 if d is None:
@@ -50,7 +46,7 @@ class Handoffs:
                 sent = ray.get(s.actor.send_handoff.remote(msg.request_id, dst if received is not None else None, gen),
                                timeout=self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - the source died or could keep it nowhere
-                self._drop_pair(src, dst)
+                self.channels.renew(src, dst)
                 return self._failed(msg, f"{type(exc).__name__}: {exc}")
             if received is not None:
                 try:
@@ -58,7 +54,7 @@ class Handoffs:
                 except Exception as exc:  # noqa: BLE001 - the source kept it (sent.delivered is False)
                     log.info("hand-off %s -> %s of %s refused by the receiver: %s", src, dst, msg.request_id, exc)
             if not sent.delivered:
-                self._drop_pair(src, dst)
+                self.channels.renew(src, dst)
                 self.counters["handoffs_kept"] += 1
                 log.warning("hand-off %s -> %s of %s failed (%s): %s decodes it", src, dst, msg.request_id,
                             sent.reason, src)
@@ -70,10 +66,3 @@ class Handoffs:
         self.counters["handoff_failures"] += 1
         log.warning("hand-off of %s failed: %s", msg.request_id, reason)
         return HandoffResultMsg(msg.request_id, None, False, 0, reason)
-
-    def _drop_pair(self, src: str, dst: str) -> None:
-        self._channel_gen[(src, dst)] = self._channel_gen.get((src, dst), 0) + 1
-        for a, b in ((src, dst), (dst, src)):
-            rep = self.replicas.get(a)
-            if rep is not None:
-                rep.actor.drop_channel.remote(b)

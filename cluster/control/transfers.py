@@ -9,16 +9,14 @@ dropped (the next transfer opens a fresh one) and the request recomputes. What t
 from __future__ import annotations
 
 import logging
-import threading
 
 import ray
 
+from cluster.control.pair_channels import ENDPOINT_TIMEOUT_S, PairChannels
 from cluster.control.replica_set import ReplicaSet
 from cluster.messages import TransferResult
 
 log = logging.getLogger(__name__)
-
-ENDPOINT_TIMEOUT_S = 10.0
 
 
 class Transfers:
@@ -29,9 +27,7 @@ class Transfers:
         self.replicas = replicas
         self.timeout_s = timeout_s
         self.counters = {"transfers": 0, "transfer_failures": 0}
-        self._lock = threading.Lock()
-        self._pair_locks: dict[tuple[str, str], threading.Lock] = {}
-        self._channel_gen: dict[tuple[str, str], int] = {}  # (src, dst) -> channel generation
+        self.channels = PairChannels()
 
     def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
                  num_tokens: int) -> bool:
@@ -42,15 +38,13 @@ class Transfers:
              num_tokens: int) -> TransferResult:
         """Move the pages serving a `num_tokens` hit src -> dst, with the payload bytes sent; on any
         failure log why and answer not ok (the request then recomputes)."""
-        with self._lock:
-            pair_lock = self._pair_locks.setdefault((src, dst), threading.Lock())
         try:
-            with pair_lock:
+            with self.channels.lock(src, dst):
                 s, d = self.replicas.get(src), self.replicas.get(dst)
                 if s is None or d is None:
                     raise RuntimeError(f"{src if s is None else dst} is gone")
                 endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
-                gen = self._channel_gen.get((src, dst), 0)  # a fresh pair after a failure
+                gen = self.channels.generation(src, dst)  # a fresh pair after a failure
                 sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
                 received = d.actor.recv_prefix.remote(src, endpoint, gen)
                 (num_bytes, seconds), _ = ray.get([sent, received], timeout=self.timeout_s)
@@ -59,7 +53,7 @@ class Transfers:
         except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
             log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
             self.counters["transfer_failures"] += 1
-            self._channel_gen[(src, dst)] = self._channel_gen.get((src, dst), 0) + 1
+            self.channels.renew(src, dst)
             for a, b in ((src, dst), (dst, src)):
                 rep = self.replicas.get(a)
                 if rep is not None:
