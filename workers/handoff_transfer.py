@@ -2,15 +2,22 @@
 channels as prefix pages (`workers/transfer_channel.py`: gloo on CPU, NCCL on GPU).
 
     sender (engine A)                                     receiver (engine B)
-    sizes int64[3]: header bytes, payload bytes,
-                    xxh3-64 of the header            ->   bounds checked; header received, checksummed
-    header: JSON {meta, tensors [dtype, shape],
-                  chunk_bytes, checksums}            ->   meta decoded strictly (below); tensors allocated
-    chunk 0 | chunk 1 | ...  (<= chunk_bytes of one
-                  tensor each, all posted at once)   ->   each lands in place in its tensor; every chunk
-                                                          is received (drained) before any is judged
-                                                     <-   ack int64[2]: 0 | 1, reason length; reason
-                                                          (1: corrupt or refused by B's import)
+    int64[2]: header bytes, its xxh3-64; header JSON
+      {meta, groups, tensors [dtype, shape]}         ->   bounds, checksum; meta decoded strictly (below);
+                                                          B.reserve_import: admitted through B's lookup
+                                                     <-   answer: 0 and first_rows per group (the rows
+                                                          B's hit already holds) | 1 and why (refused)
+    int64[3]: chunk-list bytes, xxh3-64, payload bytes;
+      chunk list {chunk_bytes, checksums}            ->   checked against the rows asked for
+    chunk 0 | chunk 1 | ... of rows[first_rows:] of
+      every page tensor, then the sampler state (<=
+      chunk_bytes of one tensor each, all posted)    ->   each lands in place; every chunk is received
+                                                          (drained) before any is judged; B.finish_import
+                                                          writes them (or cancel_import gives pages back)
+                                                     <-   ack: 0 | 1 and why (corrupt, or B refused)
+
+So a decoder that already holds part of the prompt (an earlier turn, a shared system prompt)
+receives only the rest: `HandoffSent.first_rows` / `num_skipped_bytes` say what stayed home.
 
 The meta travels as JSON (`workers/handoff_codec.py`: decoded strictly against the dataclasses'
 type hints, never an arbitrary object, as `TransferHeader` does for prefix pages). The tensors go
@@ -35,34 +42,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from workers.engine.errors import HandoffError
-from workers.engine.handoff import Handoff, HandoffImport
+from workers.engine.handoff import Handoff, HandoffImport, HandoffMeta
+from workers.engine.handoff_import import PageShapes
 from workers.handoff_codec import HandoffMetaError, decode_meta, encode_meta
-from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, TransferError, checksum
+from workers.handoff_frames import (
+    HandoffRefused,
+    HandoffStreamCorrupt,
+    HandoffStreamTruncated,
+    HandoffTransferError,
+    answer,
+    bytes_of,
+    post,
+    read_answer,
+    recv_blob,
+    send_blob,
+    wait,
+)
+from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, checksum
 
-MAX_HEADER_BYTES = 64 * 2**20
-MAX_REASON_BYTES = 2**16
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**30
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
                                torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)}
-
-
-class HandoffTransferError(TransferError):
-    """A hand-off did not arrive; the sender keeps the request (`hand_off_or_keep`)."""
-
-
-class HandoffStreamCorrupt(HandoffTransferError):
-    """A chunk or the header failed its checksum, or the header does not decode: nothing imported."""
-
-
-class HandoffStreamTruncated(HandoffTransferError):
-    """The channel failed mid-stream (the peer died, closed it, or timed out)."""
-
-
-class HandoffRefused(HandoffTransferError):
-    """The receiver answered no: the package arrived corrupt or its engine refused the import."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,10 @@ class HandoffSent:
     """A hand-off the receiver acknowledged as imported."""
 
     request_id: str
-    num_payload_bytes: int
+    num_payload_bytes: int  # what crossed the channel (the sampler state included)
     num_chunks: int
+    first_rows: tuple[int, ...] = ()  # per group: the rows the receiver already held (not sent)
+    num_skipped_bytes: int = 0  # the package's bytes in those rows
 
 
 @dataclass(frozen=True)
@@ -94,48 +98,35 @@ def _chunk_bounds(nbytes: list[int], chunk_bytes: int) -> list[tuple[int, int, i
     return [(i, a, min(a + chunk_bytes, n)) for i, n in enumerate(nbytes) for a in range(0, n, chunk_bytes)]
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def _wait(work, what: str):
-    try:
-        return work.wait()
-    except RuntimeError as exc:  # gloo / NCCL: connection closed by peer, timed out, aborted
-        raise HandoffStreamTruncated(f"the hand-off channel failed at {what}: {exc}") from exc
-
-
-def _post(op, tensor: torch.Tensor, what: str):
-    try:
-        return op(tensor)
-    except RuntimeError as exc:
-        raise HandoffStreamTruncated(f"the hand-off channel failed at {what}: {exc}") from exc
-
-
-def send_handoff(channel, handoff: Handoff, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, await_ack: bool = True,
+def send_handoff(channel, handoff: Handoff, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  corrupt_chunk: int | None = None,
                  before_chunk: Callable[[int], None] | None = None) -> HandoffSent:
-    """Stream `handoff` to the channel's peer and, with `await_ack`, wait for its answer. Raises
-    `HandoffStreamTruncated` if the channel fails, `HandoffRefused` if the peer says no.
+    """Stream `handoff` to the channel's peer: the header, then the rows its answer asks for, then
+    wait for its ack. Raises `HandoffStreamTruncated` if the channel fails, `HandoffRefused` if the
+    peer says no (before or after the rows), `HandoffStreamCorrupt` if its answer makes no sense.
 
     Fault injection for tests: `corrupt_chunk` flips one byte of that chunk on the wire (after it
     was checksummed; the package itself stays intact); `before_chunk(k)` runs before chunk k is
     posted (a test closes the channel there)."""
-    tensors = [_bytes_of(t) for t in _tensors(handoff)]
-    bounds = _chunk_bounds([t.numel() for t in tensors], chunk_bytes)
-    chunks = [tensors[i][a:b] for i, a, b in bounds]
     header = json.dumps({
         "meta": encode_meta(handoff.meta),
         "groups": [len(group) for group in handoff.pages],
         "sampler_state": handoff.sampler_state is not None,
         "tensors": [[str(t.dtype), list(t.shape)] for t in _tensors(handoff)],
-        "chunk_bytes": chunk_bytes,
-        "checksums": [checksum(c) for c in chunks],
     }).encode()
+    send_blob(channel, header, "the header")
+    first_rows = read_answer(channel, len(handoff.pages))
+    for group, first in zip(handoff.pages, first_rows):
+        if not 0 <= first <= (group[0].shape[0] if group else 0):
+            raise HandoffStreamCorrupt(f"the receiver asked for rows from {first_rows}, the package has "
+                                       f"{[g[0].shape[0] if g else 0 for g in handoff.pages]}")
+    wanted = [t[first:] for group, first in zip(handoff.pages, first_rows) for t in group]
+    tensors = [bytes_of(t) for t in wanted + ([] if handoff.sampler_state is None else [handoff.sampler_state])]
+    bounds = _chunk_bounds([t.numel() for t in tensors], chunk_bytes)
+    chunks = [tensors[i][a:b] for i, a, b in bounds]
     payload = sum(c.numel() for c in chunks)
-    sizes = torch.tensor([len(header), payload, xxhash.xxh3_64_intdigest(header) - 2**63], dtype=torch.int64)
-    _wait(_post(channel.isend, sizes, "the sizes"), "the sizes")
-    _wait(_post(channel.isend, torch.frombuffer(bytearray(header), dtype=torch.uint8), "the header"), "the header")
+    send_blob(channel, json.dumps({"chunk_bytes": chunk_bytes, "checksums": [checksum(c) for c in chunks]}).encode(),
+               "the chunk list", payload)
     in_flight = []
     for k, chunk in enumerate(chunks):
         if before_chunk is not None:
@@ -143,63 +134,36 @@ def send_handoff(channel, handoff: Handoff, *, chunk_bytes: int = DEFAULT_CHUNK_
         if k == corrupt_chunk:
             chunk = chunk.clone()
             chunk[0] ^= 0xFF
-        in_flight.append(_post(channel.isend, chunk, f"chunk {k} of {len(chunks)}"))
+        in_flight.append(post(channel.isend, chunk, f"chunk {k} of {len(chunks)}"))
     for k, work in enumerate(in_flight):
-        _wait(work, f"chunk {k} of {len(chunks)}")
-    if await_ack:
-        status = torch.zeros(2, dtype=torch.int64)
-        _wait(_post(channel.irecv, status, "the ack"), "the ack")
-        if int(status[0]) != 0:
-            if not 0 <= int(status[1]) <= MAX_REASON_BYTES:
-                raise HandoffStreamCorrupt(f"the receiver's answer is malformed: {status.tolist()}")
-            reason = torch.empty(int(status[1]), dtype=torch.uint8)
-            _wait(_post(channel.irecv, reason, "the ack"), "the ack")
-            why = reason.numpy().tobytes().decode(errors="replace")
-            raise HandoffRefused(f"the receiver refused the hand-off: {why}")
-    return HandoffSent(handoff.meta.request_id, payload, len(chunks))
+        wait(work, f"chunk {k} of {len(chunks)}")
+    read_answer(channel, 0)
+    skipped = handoff.nbytes - sum(t.numel() * t.element_size() for t in wanted)
+    return HandoffSent(handoff.meta.request_id, payload, len(chunks), tuple(first_rows), skipped)
 
 
-def recv_handoff(channel, *, device: str | torch.device = "cpu",
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Handoff:
-    """Receive one `send_handoff` stream into tensors on `device` and verify it (no ack sent).
-    Raises `HandoffStreamCorrupt` (every chunk drained first: the channel stays usable, but for a
-    corrupt header) or `HandoffStreamTruncated`."""
-    sizes = torch.empty(3, dtype=torch.int64)
-    _wait(_post(channel.irecv, sizes, "the sizes"), "the sizes")
-    header_bytes, payload_bytes, header_sum = (int(v) for v in sizes)
-    if not 0 < header_bytes <= MAX_HEADER_BYTES or not 0 <= payload_bytes <= max_payload_bytes:
-        raise HandoffStreamCorrupt(f"hand-off sizes out of bounds: header {header_bytes}, payload {payload_bytes}")
-    raw = torch.empty(header_bytes, dtype=torch.uint8)
-    _wait(_post(channel.irecv, raw, "the header"), "the header")
-    header = raw.numpy().tobytes()
-    if xxhash.xxh3_64_intdigest(header) - 2**63 != header_sum:
-        raise HandoffStreamCorrupt("the hand-off header failed its checksum")
-    meta, groups, tensors, bounds, checksums = _parse_header(header, payload_bytes, device)
-    posted = [(k, _post(channel.irecv, _bytes_of(tensors[i])[a:b], f"chunk {k}"))
-              for k, (i, a, b) in enumerate(bounds)]
-    bad = []
-    for k, work in posted:
-        _wait(work, f"chunk {k} of {len(bounds)}")
-        i, a, b = bounds[k]
-        if checksum(_bytes_of(tensors[i])[a:b]) != checksums[k]:
-            bad.append(k)
-    if bad:
-        raise HandoffStreamCorrupt(f"hand-off chunks {bad} of {len(bounds)} failed their checksum")
-    pages, start = [], 0
-    for n in groups:
-        pages.append(tuple(tensors[start : start + n]))
-        start += n
-    state = tensors[start].cpu() if start < len(tensors) else None  # a generator state is a CPU tensor
-    return Handoff(meta, tuple(pages), state)
+@dataclass(frozen=True)
+class _Header:
+    meta: HandoffMeta
+    groups: tuple[int, ...]  # page tensors per group
+    specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # every page tensor, then the sampler state's
+    sampler_state: bool
+
+    @property
+    def shapes(self) -> PageShapes:
+        out, start = [], 0
+        for n in self.groups:
+            out.append(self.specs[start : start + n])
+            start += n
+        return tuple(out)
 
 
-def _parse_header(header: bytes, payload_bytes: int, device):
-    """(meta, tensors per group, the allocated tensors, chunk bounds, checksums) of a checked header."""
+def _recv_header(channel) -> _Header:
+    raw, _ = recv_blob(channel, "header")
     try:
-        data = json.loads(header)
-        groups, state = [int(n) for n in data["groups"]], bool(data["sampler_state"])
-        specs = [(_DTYPES[dtype], [int(d) for d in shape]) for dtype, shape in data["tensors"]]
-        chunk_bytes, checksums = int(data["chunk_bytes"]), [str(c) for c in data["checksums"]]
+        data = json.loads(raw)
+        groups, state = tuple(int(n) for n in data["groups"]), bool(data["sampler_state"])
+        specs = tuple((_DTYPES[dtype], tuple(int(d) for d in shape)) for dtype, shape in data["tensors"])
         raw_meta = data["meta"]
     except (ValueError, KeyError, TypeError) as exc:
         raise HandoffStreamCorrupt(f"hand-off header does not decode: {exc!r}") from exc
@@ -207,50 +171,105 @@ def _parse_header(header: bytes, payload_bytes: int, device):
         meta = decode_meta(raw_meta)
     except HandoffMetaError as exc:
         raise HandoffStreamCorrupt(str(exc)) from exc
+    if sum(groups) + state != len(specs) or min(groups, default=0) < 0 or any(d < 0 for _, s in specs for d in s):
+        raise HandoffStreamCorrupt("hand-off header: the tensor list does not match its groups")
+    return _Header(meta, groups, specs, state)
+
+
+def _recv_rows(channel, header: _Header, first_rows: tuple[int, ...], device,
+               max_payload_bytes: int) -> tuple[tuple[tuple[torch.Tensor, ...], ...], torch.Tensor | None]:
+    """The rows asked for (per group, from `first_rows` on) and the sampler state, every chunk
+    received (drained) before any is judged: a corrupt one raises with the channel still in step."""
+    specs = [(dtype, (shape[0] - first, *shape[1:])) for group, first in zip(header.shapes, first_rows)
+             for dtype, shape in group] + list(header.specs[sum(header.groups):])
+    raw, extra = recv_blob(channel, "chunk list", 1)
+    payload_bytes = extra[0]
+    try:
+        data = json.loads(raw)
+        chunk_bytes, checksums = int(data["chunk_bytes"]), [str(c) for c in data["checksums"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HandoffStreamCorrupt(f"hand-off chunk list does not decode: {exc!r}") from exc
     nbytes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs]
-    if (sum(groups) + state != len(specs) or min(groups, default=0) < 0 or chunk_bytes <= 0
-            or any(d < 0 for _, shape in specs for d in shape) or sum(nbytes) != payload_bytes):
-        raise HandoffStreamCorrupt("hand-off header: tensor list does not match its groups or payload size")
+    if sum(nbytes) != payload_bytes or not 0 <= payload_bytes <= max_payload_bytes or chunk_bytes <= 0:
+        raise HandoffStreamCorrupt(f"hand-off chunk list: payload {payload_bytes} bytes, chunks of {chunk_bytes}, "
+                                   f"the rows asked for are {sum(nbytes)} bytes")
     num_chunks = sum(-(-n // chunk_bytes) for n in nbytes)  # before listing them: chunk_bytes may be tiny
     if num_chunks != len(checksums):
-        raise HandoffStreamCorrupt(f"hand-off header: {len(checksums)} checksums for {num_chunks} chunks")
+        raise HandoffStreamCorrupt(f"hand-off chunk list: {len(checksums)} checksums for {num_chunks} chunks")
     bounds = _chunk_bounds(nbytes, chunk_bytes)
     tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
-    return meta, groups, tensors, bounds, checksums
+    posted = [(k, post(channel.irecv, bytes_of(tensors[i])[a:b], f"chunk {k}")) for k, (i, a, b) in enumerate(bounds)]
+    bad = []
+    for k, work in posted:
+        wait(work, f"chunk {k} of {len(bounds)}")
+        i, a, b = bounds[k]
+        if checksum(bytes_of(tensors[i])[a:b]) != checksums[k]:
+            bad.append(k)
+    if bad:
+        raise HandoffStreamCorrupt(f"hand-off chunks {bad} of {len(bounds)} failed their checksum")
+    rows, start = [], 0
+    for n in header.groups:
+        rows.append(tuple(tensors[start : start + n]))
+        start += n
+    state = tensors[start].cpu() if header.sampler_state else None  # a generator state is a CPU tensor
+    return tuple(rows), state
 
 
-def _reply(channel, reason: str | None) -> None:
-    body = (reason or "").encode()[:MAX_REASON_BYTES]
-    _wait(_post(channel.isend, torch.tensor([int(reason is not None), len(body)], dtype=torch.int64), "the ack"),
-          "the ack")
-    if reason is not None:
-        _wait(_post(channel.isend, torch.frombuffer(bytearray(body), dtype=torch.uint8), "the ack"), "the ack")
+def recv_handoff(channel, *, device: str | torch.device = "cpu",
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Handoff:
+    """Receive one whole `send_handoff` package (every row asked for) into tensors on `device`
+    and verify it; the final ack is the caller's. Raises `HandoffStreamCorrupt` (told to the
+    sender where the stream allows) or `HandoffStreamTruncated`."""
+    try:
+        header = _recv_header(channel)
+    except HandoffStreamCorrupt as exc:
+        _say_no(channel, exc)
+        raise
+    first_rows = tuple(0 for _ in header.groups)
+    answer(channel, None, first_rows)
+    rows, state = _recv_rows(channel, header, first_rows, device, max_payload_bytes)
+    return Handoff(header.meta, rows, state)
 
 
 def receive_handoff_into(engine, channel, *, on_loop=ON_THIS_THREAD, device: str | torch.device = "cpu",
                          max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> HandoffImport:
-    """Receive a hand-off, import it into `engine` (through `on_loop`, where the engine may be
-    touched) and answer the sender. Raises as `recv_handoff` does, or `HandoffError` when the
-    engine refuses it; the sender is told no in both cases (unless the channel itself failed)."""
+    """Receive a hand-off into `engine` (touched only through `on_loop`): reserve it there
+    (`reserve_import`: the rows its prefix hit holds are not asked for), receive the rest, write
+    them (`finish_import`) and answer the sender. Raises `HandoffStreamCorrupt`,
+    `HandoffStreamTruncated` or `HandoffError` (the engine refused it); the reservation is given
+    back and the sender told no in each case (unless the channel itself failed)."""
     try:
-        handoff = recv_handoff(channel, device=device, max_payload_bytes=max_payload_bytes)
+        header = _recv_header(channel)
     except HandoffStreamCorrupt as exc:
         _say_no(channel, exc)
         raise
     try:
-        result = on_loop(lambda: engine.import_request(handoff))
+        reservation = on_loop(lambda: engine.reserve_import(header.meta, header.shapes))
     except HandoffError as exc:
         _say_no(channel, exc)
         raise
-    _reply(channel, None)
+    try:
+        answer(channel, None, reservation.first_rows)
+        rows, state = _recv_rows(channel, header, reservation.first_rows, device, max_payload_bytes)
+    except HandoffTransferError as exc:
+        on_loop(lambda: engine.cancel_import(reservation))
+        if isinstance(exc, HandoffStreamCorrupt):
+            _say_no(channel, exc)
+        raise
+    try:
+        result = on_loop(lambda: engine.finish_import(reservation, rows, state))
+    except HandoffError as exc:
+        _say_no(channel, exc)
+        raise
+    answer(channel, None)
     return result
 
 
 def _say_no(channel, exc: Exception) -> None:
-    """Tell the sender why, best effort: after a corrupt header the stream is out of step and the
+    """Tell the sender why, best effort: after a corrupt size the stream is out of step and the
     answer may not get through; the sender then times out and keeps the request all the same."""
     try:
-        _reply(channel, str(exc))
+        answer(channel, str(exc))
     except HandoffStreamTruncated:
         pass
 

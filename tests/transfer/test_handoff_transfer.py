@@ -15,6 +15,7 @@ import pytest
 import torch
 import xxhash
 
+from tests.conftest import make_prompt
 from tests.engine.test_handoff import assert_same_pages, engine_for, finish, prefill, request_pages
 from workers.engine.errors import HandoffError
 from workers.engine.sampling import TokenLogprobs
@@ -127,11 +128,72 @@ def test_a_hand_off_over_gloo_decodes_as_on_one_engine(tiny_model, k, eagle, par
     assert (state is None) == (params is GREEDY)  # greedy: no generator
     assert sent.num_payload_bytes == handoff.nbytes + (0 if state is None else state.numel())
     assert sent.num_chunks > sum(len(group) for group in handoff.pages)
+    assert sent.num_skipped_bytes == 0 and not any(sent.first_rows)
     assert_same_pages(request_pages(b, rid), pages)
     out, _ = finish(b, rid)
     assert out.token_ids == ref.token_ids
     assert (out.num_draft_proposed, out.num_draft_accepted) == (ref.num_draft_proposed, ref.num_draft_accepted)
     assert b.num_computed_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop"), (3, "lossless")])
+def test_a_decoder_holding_the_prefix_is_sent_only_the_rows_it_lacks(tiny_model, k, eagle):
+    """B first served a prompt sharing 80 tokens (a 64-token hit): B answers the header with the
+    rows its hit holds and A sends only the rest, so the bytes on the wire are the package's less
+    those rows, counted. Catches: a sender that streams the whole package anyway (payload bytes), a
+    receiver that asks for rows its hit does not hold (B's pages then differ from A's, or the
+    output does), a lossless draft block at 63 skipped (B holds a copy that must be rewritten),
+    and a reservation left behind (the pools' integrity after the decode)."""
+    ref = one_engine(tiny_model, k, eagle)
+    a, b = engine_for(tiny_model, k, eagle), engine_for(tiny_model, k, eagle)
+    b.generate([PROMPT[:80] + make_prompt(40, 99)], SamplingParams(temperature=0.0, max_tokens=2))
+    before = b.num_computed_prompt_tokens
+    rid = prefill(a, PROMPT)
+    pages = request_pages(a, rid)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    sent = send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    imported = got["result"]
+    assert imported.num_hit_tokens == 64
+    # the rows B's hit holds: 4 target blocks, no Mamba row (the working state is always sent),
+    # 4 draft blocks (lossless: 3, the block holding position 63 is sent again)
+    assert sent.first_rows == ((4, 0) if not k else (4, 0, 3 if eagle == "lossless" else 4))
+    row_bytes = [sum(t[0].numel() * t.element_size() for t in group) for group in handoff.pages]
+    skipped = sum(n * b_ for n, b_ in zip(sent.first_rows, row_bytes))
+    assert skipped > 0 and sent.num_skipped_bytes == skipped
+    assert sent.num_payload_bytes == handoff.nbytes - skipped == imported.num_bytes_written
+    assert_same_pages(request_pages(b, rid), pages)
+    out, _ = finish(b, rid)
+    assert out.token_ids == ref.token_ids and b.num_computed_prompt_tokens == before
+
+
+def test_a_corrupted_chunk_after_a_reservation_gives_the_pages_back(tiny_model):
+    """B holds the prefix (a reservation that shares its cached blocks) and a chunk arrives corrupt:
+    B frees what it reserved (no request, the pools intact, its cached prefix still a hit for the
+    clean resend) and A keeps the request. Catches: a receiver that cancels nothing (leaked pages,
+    a request id then "already on this engine" at the resend)."""
+    ref = one_engine(tiny_model, 3, "lossless")
+    a, b = engine_for(tiny_model, 3, "lossless"), engine_for(tiny_model, 3, "lossless")
+    b.generate([PROMPT[:80] + make_prompt(40, 99)], SamplingParams(temperature=0.0, max_tokens=2))
+    free = b.cache.num_free_kv_blocks
+    rid = prefill(a, PROMPT)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    delivery = hand_off_or_keep(a, handoff, lambda h: send_handoff(end_a, h, chunk_bytes=CHUNK, corrupt_chunk=2))
+    thread.join(timeout=30)
+    assert isinstance(got["error"], HandoffStreamCorrupt) and not delivery.delivered
+    assert not b.requests
+    b.cache.check_integrity()
+    assert b.cache.num_free_kv_blocks == free
+    thread, got = receiving(b, end_b)  # the same package again, clean: B's prefix is still a hit
+    a.abort(rid)
+    send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    assert got["result"].num_hit_tokens == 64
+    assert finish(b, rid)[0].token_ids == ref.token_ids
 
 
 def lossless_pair(tiny_model, receiver_eagle: str):
@@ -221,35 +283,56 @@ def test_a_stream_cut_mid_way_raises_on_both_ends_and_a_finishes_the_request(tin
     assert torch.is_tensor(handoff.pages[0][0])  # the package itself was never consumed
 
 
-def test_a_header_that_does_not_check_out_is_refused_before_anything_is_allocated(tiny_model):
-    """Hand-made streams (sizes + header, no chunks) over the real channel. Catches: a receiver that
-    skips the header checksum, trusts sizes past its bounds, builds the meta from a wrong type,
-    or sizes its buffers from a tensor list that does not add up to the payload."""
+def test_a_header_or_chunk_list_that_does_not_check_out_is_refused_before_anything_is_allocated(tiny_model):
+    """Hand-made streams over the real channel: a header (sizes + JSON), and for a good header the
+    chunk list B asks for after its answer. Catches: a receiver that skips a checksum, trusts sizes
+    past their bounds, builds the meta from a wrong type, or sizes its buffers from a chunk list
+    that does not add up to the rows it asked for; and a refusal that leaves the stream out of step
+    (the next stream on the same channel is read)."""
     a = engine_for(tiny_model, 0, "lossless")
     meta = encode_meta(a.export_request(prefill(a, PROMPT)).meta)
     end_a, end_b = channel_pair()
 
-    def stream(header: dict, payload: int, checksum_delta: int = 0, header_bytes: int | None = None) -> str:
-        raw = json.dumps(header).encode()
+    def blob(data: dict, checksum_delta: int = 0, size: int | None = None, extra: tuple[int, ...] = ()) -> None:
+        raw = json.dumps(data).encode()
         digest = xxhash.xxh3_64_intdigest(raw) - 2**63 + checksum_delta
+        end_a.isend(torch.tensor([size or len(raw), digest, *extra], dtype=torch.int64)).wait()
+        if size is None:
+            end_a.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8)).wait()
+
+    def answer() -> list[int]:
+        status = torch.zeros(2, dtype=torch.int64)
+        end_a.irecv(status).wait()
+        body = torch.empty(int(status[1]), dtype=status.dtype if int(status[0]) == 0 else torch.uint8)
+        if body.numel():
+            end_a.irecv(body).wait()
+        return [int(status[0]), body.tolist() if int(status[0]) == 0 else body.numpy().tobytes().decode()]
+
+    def stream(header: dict, chunks: dict | None = None, payload: int = 32, **kw) -> tuple[str, list]:
         got: dict = {}
         thread = threading.Thread(target=lambda: got.update(error=_raises(lambda: recv_handoff(end_b))))
         thread.start()
-        end_a.isend(torch.tensor([header_bytes or len(raw), payload, digest], dtype=torch.int64)).wait()
-        if header_bytes is None:
-            end_a.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8)).wait()
+        blob(header, **({} if chunks else kw))
+        said = answer()
+        if chunks is not None:
+            assert said == [0, [0]]  # B asks for every row (it holds nothing)
+            blob(chunks, extra=(payload,), **kw)
         thread.join(timeout=30)
         assert isinstance(got["error"], HandoffStreamCorrupt), got
-        return str(got["error"])
+        return str(got["error"]), said
 
-    good = {"meta": meta, "groups": [1], "sampler_state": False, "tensors": [["torch.float32", [2, 4]]],
-            "chunk_bytes": 16, "checksums": ["0", "0"]}
-    assert "out of bounds" in stream(good, 32, header_bytes=2**40)
-    assert "header failed its checksum" in stream(good, 32, checksum_delta=1)
-    assert "num_computed_tokens" in stream({**good, "meta": {**meta, "num_computed_tokens": "9"}}, 32)
-    assert "payload size" in stream(good, 64)  # 2 x 4 float32 is 32 bytes, not 64
-    assert "2 checksums for 32 chunks" in stream({**good, "chunk_bytes": 1}, 32)
-    assert "does not decode" in stream({**good, "tensors": [["builtins.eval", [2, 4]]]}, 32)
+    good = {"meta": meta, "groups": [1], "sampler_state": False, "tensors": [["torch.float32", [2, 4]]]}
+    chunk_list = {"chunk_bytes": 16, "checksums": ["0", "0"]}
+    error, said = stream(good, size=2**40)  # the sender is told why, and the stream stays in step
+    assert "out of bounds" in error and said[0] == 1 and "out of bounds" in said[1]
+    error, said = stream(good, checksum_delta=1)
+    assert "header failed its checksum" in error and said[0] == 1 and "checksum" in said[1]
+    assert "num_computed_tokens" in stream({**good, "meta": {**meta, "num_computed_tokens": "9"}})[0]
+    assert "does not decode" in stream({**good, "tensors": [["builtins.eval", [2, 4]]]})[0]
+    assert "does not match its groups" in stream({**good, "groups": [2]})[0]
+    assert "rows asked for are 32 bytes" in stream(good, chunk_list, payload=64)[0]  # 2 x 4 float32
+    assert "2 checksums for 32 chunks" in stream(good, {**chunk_list, "chunk_bytes": 1})[0]
+    assert "chunk list failed its checksum" in stream(good, chunk_list, checksum_delta=1)[0]
 
 
 def _raises(fn) -> Exception | None:

@@ -26,7 +26,15 @@ from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
 from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
-from workers.engine.handoff import Handoff, HandoffImport, export_request, import_request
+from workers.engine.handoff import Handoff, HandoffImport, export_request
+from workers.engine.handoff_import import (
+    ImportReservation,
+    PageShapes,
+    cancel_import,
+    finish_import,
+    import_request,
+    reserve_import,
+)
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -153,6 +161,19 @@ class LLMEngine:
         """Continue a request another engine exported: admitted through this engine's prefix
         cache (only the pages it lacks are written), decoding from the next step."""
         return import_request(self, handoff)
+
+    def reserve_import(self, meta, shapes: PageShapes) -> ImportReservation:
+        """`import_request` in two phases (`handoff_import.py`), for a transport that sends only the
+        rows this engine lacks: admit the request and say which rows its hit holds."""
+        return reserve_import(self, meta, shapes)
+
+    def finish_import(self, reservation: ImportReservation, rows, sampler_state) -> HandoffImport:
+        """Write a reservation's rows (from its `first_rows` on); the request decodes next step."""
+        return finish_import(self, reservation, rows, sampler_state)
+
+    def cancel_import(self, reservation: ImportReservation) -> None:
+        """Give back a reservation whose rows never came."""
+        cancel_import(self, reservation)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -6,10 +6,12 @@ that prefilled it to another that decodes it, byte-exact, in process.
                                                             request as HANDOFF: its blocks stay cached
     engine B   import_request(engine, handoff) -> HandoffImport   admitted through B's own lookup;
                                                             B's next step decodes (or verifies) it
+               (`handoff_import.py`; also in two phases, reserve then finish, so that a transport
+               sends only the rows B's hit does not hold)
 
 A `Handoff` is plain tensors plus one small frozen `HandoffMeta`, so a later transport can send it
 over the page-transfer channel (`workers/transfer.py`). Its pages, per cache group, one tensor per
-`_tensors(cache, group)` entry, row j of each being:
+`package_tensors(cache, group)` entry, row j of each being:
 
     full    target KV block j of the request, j < ceil(num_computed / block_size) (the partial last
             block included), with its lossless-EAGLE sidecar row when the engine keeps one
@@ -25,19 +27,17 @@ verify rewrites each such position before anything reads it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
-from cache_service.block_hash import RequestBlockHashes
 from cache_service.miss_reasons import LookupReport
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.errors import HandoffError
 from workers.engine.page_tensors import page_tensors
 from workers.engine.request import FinishReason, Request, RequestStatus
-from workers.engine.sampling import Sampler, TokenLogprobs
+from workers.engine.sampling import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -136,7 +136,7 @@ class HandoffImport:
     num_bytes_written: int
 
 
-def _tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
+def package_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
     """A group's page tensors as a hand-off carries them: the sidecar only where it is kept."""
     return page_tensors(cache, group, sidecar=cache.keeps_sidecar)
 
@@ -172,7 +172,7 @@ def export_request(engine: LLMEngine, request_id: str) -> Handoff:
         req.set_drafts(engine.pending_drafts.tokens.view(-1)[first : first + req.num_draft_tokens].tolist())
     pages = []
     for group, ids in enumerate(_request_pages(cache, req)):
-        tensors = _tensors(cache, group)
+        tensors = package_tensors(cache, group)
         index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
         pages.append(tuple(t.index_select(0, index) for t in tensors))  # copies: A's pages go back below
     seed, state = req.sampler.state()
@@ -189,101 +189,3 @@ def export_request(engine: LLMEngine, request_id: str) -> Handoff:
     engine.results.finish(req, FinishReason.HANDOFF)  # as a finished request: published, kept, freed
     engine.requests.pop(request_id, None)
     return Handoff(meta, tuple(pages), state)
-
-
-@torch.inference_mode()
-def import_request(engine: LLMEngine, handoff: Handoff) -> HandoffImport:
-    """Admit the handed-off request through this engine's lookup, write every page its hit does
-    not share, and run it from the next step. Raises `HandoffError` (this engine unchanged) when
-    the engines differ, the id is taken or there is no room now."""
-    meta, cache = handoff.meta, engine.cache
-    meta.engine.check_matches(HandoffEngineSpec.of(engine))
-    if meta.request_id in engine.requests:
-        raise HandoffError(f"request id {meta.request_id!r} is already on this engine")
-    _check_page_shapes(cache, handoff)
-    req = _rebuild_request(engine, handoff)
-    if not cache.fits_at_all(req):
-        raise HandoffError(f"request {meta.request_id!r} does not fit this engine's KV cache at all")
-    n = meta.num_computed_tokens
-    # first chunk: the rest of the prefill, so the admission takes pages up to n + k positions
-    if not cache.try_admit(req, first_chunk=n):
-        raise HandoffError(f"no room for request {meta.request_id!r} here now; retry later")
-    hit = req.num_computed_tokens
-    req.num_computed_tokens, req.num_draft_computed_tokens = n, meta.num_draft_computed_tokens
-    decoding = bool(meta.boundary_positions)  # boundary states need the decode pages now
-    if not cache.can_grow(req, 0, decoding):  # past the prompt (handed off mid-decode): more blocks
-        cache.retire(req, keep=False)
-        raise HandoffError(f"no room for request {meta.request_id!r} here now; retry later")
-    cache.grow(req, 0, decoding)
-    written, nbytes = _write_pages(cache, req, hit, handoff)
-    _restore_counters(req, meta)
-    engine.requests[req.request_id] = req
-    engine.scheduler.add_running(req)
-    return HandoffImport(req.request_id, hit, written, nbytes)
-
-
-def _check_page_shapes(cache: EngineCacheManager, handoff: Handoff) -> None:
-    if len(handoff.pages) != len(cache.layout.groups):
-        raise HandoffError(f"the hand-off has {len(handoff.pages)} cache groups, "
-                           f"this engine {len(cache.layout.groups)}")
-    for group, rows in enumerate(handoff.pages):
-        tensors = _tensors(cache, group)
-        if len(rows) != len(tensors) or any(
-                r.shape[1:] != t.shape[1:] or r.dtype != t.dtype for r, t in zip(rows, tensors)):
-            raise HandoffError(f"group {group}: the hand-off's pages do not have this engine's page shapes")
-
-
-def _rebuild_request(engine: LLMEngine, handoff: Handoff) -> Request:
-    """The request as the exporting engine held it, its pages not yet taken (WAITING)."""
-    meta = handoff.meta
-    prompt = list(meta.prompt_token_ids)
-    hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt,
-                                model_fingerprint=engine.config.model_fingerprint, cache_salt=meta.cache_salt)
-    hashes.append(list(meta.output_token_ids))
-    eos = () if meta.params.ignore_eos else engine.eos_token_ids
-    sampler = Sampler(meta.params, eos)
-    sampler.restore(meta.sampler_seed, handoff.sampler_state, engine.config.device)
-    req = Request(meta.request_id, prompt, meta.params, hashes, meta.cache_salt, sampler=sampler,
-                  num_prefill_tokens=meta.num_prefill_tokens)
-    req.output_token_ids = list(meta.output_token_ids)
-    req.output_logprobs = list(meta.output_logprobs)
-    req.num_preemptions = meta.num_preemptions  # before admission: it reads whether this is a first one
-    return req
-
-
-def _write_pages(cache: EngineCacheManager, req: Request, hit: int, handoff: Handoff) -> tuple[tuple[int, ...], int]:
-    """Write every row the hit of `hit` tokens does not share into the request's pages here;
-    returns (rows written per group, bytes written)."""
-    rid, written, nbytes = req.request_id, [], 0
-    for group, manager in enumerate(cache.groups.managers):
-        rows = handoff.pages[group]
-        if manager.spec.kind == "mamba":
-            slots = manager.slots[rid]
-            slots.boundary_positions = list(handoff.meta.boundary_positions)
-            dst = [slots.working.block_id] + [p.block_id for p in slots.boundary[: len(slots.boundary_positions)]]
-            first = 0  # the working state is always written: B's restored one is at the hit, not at n
-        else:
-            first = manager.num_shared_blocks(hit)  # lossless draft: the copied block at hit - 1 is rewritten
-            dst = manager.block_ids(rid)[: rows[0].shape[0]]
-        src = list(range(first, rows[0].shape[0]))
-        written.append(len(src))
-        if not src:
-            continue
-        for t, r in zip(_tensors(cache, group), rows):
-            index = torch.tensor(src, dtype=torch.long, device=r.device)
-            t.index_copy_(0, torch.tensor(dst[first:], dtype=torch.long, device=t.device),
-                          r.index_select(0, index).to(t.device))
-            nbytes += len(src) * t[0].numel() * t.element_size()
-    return tuple(written), nbytes
-
-
-def _restore_counters(req: Request, meta: HandoffMeta) -> None:
-    req.checkpoints, req.junctions = meta.checkpoints, meta.junctions
-    req.periodic_checkpoints = frozenset(meta.periodic_checkpoints)
-    req.set_drafts(list(meta.draft_token_ids))
-    req.num_cached_tokens, req.num_host_cached_tokens = meta.num_cached_tokens, meta.num_host_cached_tokens
-    req.cache_report = meta.cache_report
-    req.num_computed_prompt_tokens = meta.num_computed_prompt_tokens
-    req.num_draft_proposed, req.num_draft_accepted = meta.num_draft_proposed, meta.num_draft_accepted
-    req.first_token_s = time.perf_counter()
-    req.arrival_s = req.first_token_s - (meta.ttft_s or 0.0)  # the client's TTFT is the exporter's
