@@ -40,19 +40,37 @@ UNCLAIMED_TTL_S = 120.0  # a held package or an imported request nobody asked fo
 
 
 class _StreamingImporter:
-    """The engine as `receive_handoff_into` / `hand_off_or_keep` see it: `import_request` (on the
-    loop thread) also opens the request's stream; `refuse` is the receiving side's test seam."""
+    """The engine as `receive_handoff_into` / `hand_off_or_keep` see it (each call on the loop
+    thread): finishing an import also opens the request's stream, in the same call; `refuse` is the
+    receiving side's test seam, asked at the reservation."""
 
     def __init__(self, replica: HandoffMixin, refuse: bool) -> None:
         self.replica = replica
         self.refuse = refuse
 
-    def import_request(self, handoff):
-        replica = self.replica
-        reason = replica.refuse_handoff(handoff.meta) if self.refuse else None
+    @property
+    def engine(self):
+        return self.replica.runner.engine
+
+    def reserve_import(self, meta, shapes):
+        reason = self.replica.refuse_handoff(meta) if self.refuse else None
         if reason is not None:
             raise HandoffError(reason)
-        result = replica.runner.engine.import_request(handoff)
+        return self.engine.reserve_import(meta, shapes)
+
+    def cancel_import(self, reservation) -> None:
+        self.engine.cancel_import(reservation)
+
+    def finish_import(self, reservation, rows, sampler_state):
+        result = self._opened(self.engine.finish_import(reservation, rows, sampler_state))
+        self.replica._num_accepted += 1  # the load report retires what the decode placement booked here
+        return result
+
+    def import_request(self, handoff):  # hand_off_or_keep: the package back where it came from
+        return self._opened(self.engine.import_request(handoff))
+
+    def _opened(self, result):
+        replica = self.replica
         stream = replica.runner.adopt_stream(result.request_id)
         replica._sweep_unclaimed()
         with replica._handoff_lock:
