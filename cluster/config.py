@@ -4,7 +4,8 @@
       cluster  ClusterConfig   Ray address (None = embedded local cluster), bind addresses, replicas, TP
         restart  ReplicaRestartConfig  a fixed count's crash-loop backoff (`control.replica_restarts`)
         cache_service  CacheServiceConfig  the index's shards and the front doors' read replicas
-        pd       PDConfig          prefill/decode replica roles (default: none, all mixed)
+        pd       PDConfig          prefill/decode replica roles and their bounds (`cluster.pd_config`;
+                                   default: none, all mixed)
         (autoscaler: an AutoscalerConfig derived from min/max_replicas and the scale_* keys)
       http     HttpConfig      front-end bind address, port, optional API key
       model    ModelSection    checkpoint dir, dtype, kernels
@@ -25,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from cache_service.router import RouterConfig
+from cluster.pd_config import PDConfig
 from workers.engine.config import EngineConfig
 from workers.engine.errors import EngineConfigError
 
@@ -89,41 +91,23 @@ class AutoscalerConfig:
     scale_down_idle_s: float = 60.0  # nothing in flight this long: one is removed
     interval_s: float = 1.0  # between steps of `start()`'s loop
     warm_prefixes: int = 8  # hot prefixes copied onto a new replica
+    # the cluster's `pd` section: enabled, each role is scaled within its own bounds and
+    # min/max_replicas are the roles' sums (`control.scale_policy.decide_roles`)
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"autoscaler: need 1 <= min_replicas <= max_replicas, got min_replicas="
                              f"{self.min_replicas}, max_replicas={self.max_replicas}")
+        pd = self.pd
+        if pd.enabled and (self.min_replicas, self.max_replicas) != (pd.min_replicas, pd.max_replicas):
+            raise ValueError(f"autoscaler: with pd, min_replicas and max_replicas are the roles' sums "
+                             f"({pd.min_replicas} and {pd.max_replicas}), got {self.min_replicas} and "
+                             f"{self.max_replicas}")
         if self.scale_up_queue_depth <= 0 or self.interval_s <= 0:
             raise ValueError("autoscaler: scale_up_queue_depth and interval_s must be positive")
         if self.scale_down_idle_s < 0 or self.warm_prefixes < 0:
             raise ValueError("autoscaler: scale_down_idle_s and warm_prefixes must be >= 0")
-
-
-@dataclass(frozen=True)
-class PDConfig:
-    """Prefill/decode disaggregation (issue 31): `num_prefill` replicas prefill each request up to
-    its first token and hand it off to one of `num_decode` replicas, which decodes the rest. Both 0
-    (the default): every replica is mixed (prefills and decodes its own requests)."""
-
-    num_prefill: int = 0
-    num_decode: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 0:
-            raise ValueError(f"replica counts must be >= 0, got num_prefill={self.num_prefill}, "
-                             f"num_decode={self.num_decode}")
-        if (self.num_prefill == 0) != (self.num_decode == 0):
-            raise ValueError(f"need both num_prefill and num_decode >= 1 (or both 0: mixed), got "
-                             f"num_prefill={self.num_prefill}, num_decode={self.num_decode}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_prefill > 0
-
-    @property
-    def num_replicas(self) -> int:
-        return self.num_prefill + self.num_decode
 
 
 @dataclass(frozen=True)
@@ -137,8 +121,9 @@ class ClusterConfig:
     node_ip_address: str = "127.0.0.1"
     dashboard_host: str = "127.0.0.1"
     num_replicas: int = 1
-    min_replicas: int | None = None  # None: num_replicas (min == max: a fixed count, no autoscaler)
-    max_replicas: int | None = None  # None: num_replicas
+    # None: num_replicas, or with pd the sum of the roles' bounds (min == max: a fixed count, no autoscaler)
+    min_replicas: int | None = None
+    max_replicas: int | None = None  # None: num_replicas (with pd: max_prefill + max_decode)
     tp_size: int = 1
     distributed_backend: str = "gloo"  # gloo on CPU, nccl on GPU
     num_gpus_per_rank: float = 0.0
@@ -161,11 +146,12 @@ class ClusterConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode roles (default: all replicas mixed)
 
     def __post_init__(self) -> None:
-        for bound in ("min_replicas", "max_replicas"):
-            if getattr(self, bound) is None:
-                object.__setattr__(self, bound, self.num_replicas)
         if self.backend not in ("ray", "inprocess"):
             raise ConfigError(f"cluster.backend must be ray or inprocess, got {self.backend!r}")
+        self._check_pd()  # before the bounds' defaults: with pd they are the roles' sums
+        for bound in ("min_replicas", "max_replicas"):
+            if getattr(self, bound) is None:
+                object.__setattr__(self, bound, getattr(self.pd, bound) if self.pd.enabled else self.num_replicas)
         if self.backend == "inprocess" and (self.num_replicas != 1 or self.tp_size != 1):
             raise ConfigError("cluster.backend inprocess serves one replica with tp_size 1")
         if self.max_inflight < 1:
@@ -180,13 +166,14 @@ class ClusterConfig:
             raise ConfigError("cluster.distributed_backend must be gloo or nccl")
         if self.max_attempts < 1 or self.max_streams_per_replica < 1:
             raise ConfigError("cluster.max_attempts and cluster.max_streams_per_replica must be >= 1")
-        self._check_pd()
         try:
             self.autoscaler  # noqa: B018 - its own checks, at load time
         except ValueError as exc:
             raise ConfigError(f"cluster: {exc}") from None
 
     def _check_pd(self) -> None:
+        """With pd: the ray backend, tp_size 1, num_replicas the roles' start counts' sum, and
+        min/max_replicas (given or not) the sums of the roles' bounds."""
         pd = self.pd
         if not pd.enabled:
             return
@@ -195,22 +182,27 @@ class ClusterConfig:
         if pd.num_replicas != self.num_replicas:
             raise ConfigError(f"cluster.pd: num_prefill + num_decode ({pd.num_prefill} + {pd.num_decode}) must "
                               f"equal cluster.num_replicas ({self.num_replicas})")
-        if self.min_replicas != self.max_replicas:
-            raise ConfigError("cluster.pd: a fixed replica count only (min_replicas == max_replicas): the "
-                              "autoscaler does not assign roles")
+        for bound in ("min", "max"):
+            given = getattr(self, f"{bound}_replicas")
+            if given is not None and given != getattr(pd, f"{bound}_replicas"):
+                raise ConfigError(
+                    f"cluster.{bound}_replicas ({given}) must equal cluster.pd.{bound}_prefill + "
+                    f"{bound}_decode ({getattr(pd, f'{bound}_prefill')} + {getattr(pd, f'{bound}_decode')}) "
+                    f"with cluster.pd: bound each role there (cluster.{bound}_replicas left out is their sum)")
         if self.tp_size != 1:
             raise ConfigError("cluster.pd: tp_size 1 only (pages of a tensor-parallel replica cannot move yet)")
 
     @property
     def autoscaler(self) -> AutoscalerConfig | None:
         """The autoscaler's parameters; None when min_replicas == max_replicas (a fixed count, kept
-        by the controller's restarter: dead replicas replaced with `restart`'s backoff)."""
+        by the controller's restarter: dead replicas replaced with `restart`'s backoff). With pd:
+        configured when any role's min < max, and then it scales every role within its bounds."""
         if self.min_replicas == self.max_replicas:
             return None
         return AutoscalerConfig(min_replicas=self.min_replicas, max_replicas=self.max_replicas,
                                 scale_up_queue_depth=self.scale_up_queue_depth,
                                 scale_down_idle_s=self.scale_down_idle_s, interval_s=self.autoscale_interval_s,
-                                warm_prefixes=self.warm_prefixes)
+                                warm_prefixes=self.warm_prefixes, pd=self.pd)
 
 
 @dataclass(frozen=True)

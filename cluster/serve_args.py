@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "FOLDER = that folder's generation_config.json (model.generation_config)")
     p.add_argument("--pd", metavar="P:D",
                    help="prefill/decode disaggregation: P prefill and D decode replicas (cluster.pd; "
-                        "sets cluster.num_replicas to P + D)")
+                        "sets cluster.num_replicas to P + D). Each count may be a range LO-HI, e.g. 1-3:2-4: "
+                        "the autoscaler keeps that role within it, starting at LO (min/max_prefill, "
+                        "min/max_decode; cluster.min/max_replicas the sums)")
     p.add_argument("--version", action="version", version=f"hybridserve {VERSION}")
     return p
 
@@ -98,13 +100,28 @@ def parse_serve_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[s
 
 
 def _pd_settings(p: argparse.ArgumentParser, value: str) -> dict[str, object]:
-    """`--pd P:D` as config settings; the counts themselves are checked by `PDConfig`."""
+    """`--pd P:D` as config settings, each of P and D a count N or a range LO-HI (the role starts
+    at LO, the autoscaler keeps it within LO..HI). Only the shape is checked here; the counts
+    themselves by `PDConfig` (named keys)."""
     parts = value.split(":")
-    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
-        p.error(f"--pd takes P:D (prefill and decode replica counts, e.g. 1:1), got {value!r}")
-    num_prefill, num_decode = (int(part) for part in parts)
-    return {"cluster.pd.num_prefill": num_prefill, "cluster.pd.num_decode": num_decode,
-            "cluster.num_replicas": num_prefill + num_decode}
+    bounds = [_pd_range(part) for part in parts] if len(parts) == 2 else [None]
+    if None in bounds:
+        p.error(f"--pd takes P:D (prefill and decode replica counts, e.g. 1:1, or ranges LO-HI, e.g. 1-3:2-4), "
+                f"got {value!r}")
+    (min_prefill, max_prefill), (min_decode, max_decode) = bounds
+    return {"cluster.pd.num_prefill": min_prefill, "cluster.pd.num_decode": min_decode,
+            "cluster.pd.min_prefill": min_prefill, "cluster.pd.max_prefill": max_prefill,
+            "cluster.pd.min_decode": min_decode, "cluster.pd.max_decode": max_decode,
+            "cluster.num_replicas": min_prefill + min_decode,
+            "cluster.min_replicas": min_prefill + min_decode, "cluster.max_replicas": max_prefill + max_decode}
+
+
+def _pd_range(part: str) -> tuple[int, int] | None:
+    """'N' -> (N, N), 'LO-HI' -> (LO, HI); None if neither."""
+    ends = part.split("-")
+    if len(ends) > 2 or not all(end.strip().isdigit() for end in ends):
+        return None
+    return int(ends[0]), int(ends[-1])
 
 
 def check_port_free(host: str, port: int) -> None:
