@@ -16,9 +16,16 @@ At most one action per step, so a burst does not start every replica at once, an
 another step's is still in flight (the controller's actor is threaded: its own loop and a front
 door's `autoscale_step` can overlap): that step answers NONE / ACTION_IN_FLIGHT at once.
 
+With `cluster.pd` each role (prefill, decode) is scaled by the same rules within its own bounds,
+on its own replicas and requests (`control.scale_policy.decide_roles`: still one action per step,
+BELOW_MIN first, then the role with the stronger signal). A replica added for a role is started
+as one (`add_replicas(1, role=...)`); only a prefill replica is warmed (a decode replica never
+prefills: it imports each request's pages with its hand-off); a removal takes the last replica of
+the role scaled down, drained first. Each role has its own idle clock.
+
 `step()` is the policy, callable directly (tests); `start()` runs it on a daemon thread. The
-replicas it drives (`ScalableReplicas`: the controller, or a test double) and the clock are
-injected.
+replicas it drives (`ScalableReplicas`, with pd `RoleScalableReplicas`: the controller, or a test
+double) and the clock are injected. The rules themselves are pure (`control.scale_policy`).
 """
 
 from __future__ import annotations
@@ -27,45 +34,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 from cluster.config import AutoscalerConfig
+from cluster.control.replica_roles import RoleLoad
+from cluster.control.scale_policy import (
+    RoleSignal,
+    ScaleAction,
+    ScaleEvent,
+    ScaleReason,
+    decide,
+    decide_roles,
+)
+from cluster.pd_config import PREFILL, ROLES
+
+__all__ = ["ReplicaAutoscaler", "RoleScalableReplicas", "ScalableReplicas", "ScaleAction", "ScaleEvent",
+           "ScaleReason", "decide"]
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-class ScaleAction(str, Enum):
-    NONE = "none"
-    UP = "up"
-    DOWN = "down"
-
-
-class ScaleReason(str, Enum):
-    BELOW_MIN = "below_min"  # UP: a replica died or was purged
-    QUEUE_DEPTH = "queue_depth"  # UP
-    ABOVE_MAX = "above_max"  # DOWN
-    IDLE = "idle"  # DOWN
-    STEADY = "steady"  # NONE: no rule applies
-    AT_MAX = "at_max"  # NONE: deep queues, but max_replicas already
-    ACTION_IN_FLIGHT = "action_in_flight"  # NONE: another step is still adding or removing one
-
-
-@dataclass(frozen=True)
-class ScaleEvent:
-    """One step's decision and, for UP/DOWN, what was done."""
-
-    action: ScaleAction
-    reason: ScaleReason
-    replica_id: str | None = None  # the replica added or removed
-    num_replicas: int = 0  # seen before acting
-    depth: float = 0.0  # requests in flight per replica, seen before acting
-    warmed: int = 0  # prefixes transferred onto a new replica
-    seconds: float = 0.0  # the action's duration on the injected clock
 
 
 class ScalableReplicas(Protocol):
@@ -85,21 +71,12 @@ class ScalableReplicas(Protocol):
     def remove_replica(self, replica_id: str) -> None: ...  # drained, then stopped
 
 
-def decide(config: AutoscalerConfig, num_replicas: int, depth: float,
-           idle_for: float | None) -> tuple[ScaleAction, ScaleReason]:
-    """The policy, pure. `idle_for`: seconds with nothing in flight (None: something is)."""
-    c = config
-    if num_replicas < c.min_replicas:
-        return ScaleAction.UP, ScaleReason.BELOW_MIN
-    if num_replicas > c.max_replicas:
-        return ScaleAction.DOWN, ScaleReason.ABOVE_MAX
-    if depth > c.scale_up_queue_depth:
-        if num_replicas < c.max_replicas:
-            return ScaleAction.UP, ScaleReason.QUEUE_DEPTH
-        return ScaleAction.NONE, ScaleReason.AT_MAX
-    if idle_for is not None and idle_for >= c.scale_down_idle_s and num_replicas > c.min_replicas:
-        return ScaleAction.DOWN, ScaleReason.IDLE
-    return ScaleAction.NONE, ScaleReason.STEADY
+class RoleScalableReplicas(ScalableReplicas, Protocol):
+    """What the autoscaler drives with `cluster.pd`: the controller, or a test double."""
+
+    def role_loads(self) -> dict[str, RoleLoad]: ...  # PREFILL and DECODE -> the role's replicas, requests
+
+    def add_replicas(self, n: int, role: str | None = None) -> list[str]: ...  # started as `role`
 
 
 class ReplicaAutoscaler:
@@ -109,6 +86,7 @@ class ReplicaAutoscaler:
         self.config = config
         self.clock = clock
         self._idle_since: float | None = None
+        self._role_idle_since: dict[str, float | None] = dict.fromkeys(ROLES)  # with pd: each role's
         self._acting = threading.Lock()  # held from a step's look to the end of its action
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,7 +97,7 @@ class ReplicaAutoscaler:
         if not self._acting.acquire(blocking=False):
             return ScaleEvent(ScaleAction.NONE, ScaleReason.ACTION_IN_FLIGHT)
         try:
-            return self._step()
+            return self._step_roles() if self.config.pd.enabled else self._step()
         finally:
             self._acting.release()
 
@@ -149,6 +127,40 @@ class ReplicaAutoscaler:
             self._idle_since = self.clock()  # another full idle period before the next removal
             event = ScaleEvent(action, reason, victim, len(replicas), depth, 0, self.clock() - now)
             log.info("autoscaler: %s (%d replicas): removed %s", reason.value, len(replicas), victim)
+        self.history.append(event)
+        return event
+
+    def _step_roles(self) -> ScaleEvent:
+        """`_step` with `cluster.pd`: each role's signal, one role acted on (`decide_roles`)."""
+        c = self.config
+        loads = self.backend.role_loads()
+        now = self.clock()
+        signals = []
+        for role in ROLES:
+            load = loads[role]
+            if load.num_unfinished:
+                self._role_idle_since[role] = None
+            elif self._role_idle_since[role] is None:
+                self._role_idle_since[role] = now
+            since = self._role_idle_since[role]
+            n = len(load.replica_ids)
+            signals.append(RoleSignal(role, n, load.num_unfinished / max(n, 1), None if since is None else now - since,
+                                      *c.pd.bounds(role)))
+        s, action, reason = decide_roles(c, signals)
+        if action is ScaleAction.NONE:
+            return ScaleEvent(action, reason, None, s.num_replicas, s.depth, role=s.role)
+        if action is ScaleAction.UP:
+            (new,) = self.backend.add_replicas(1, role=s.role)
+            warmed = self.backend.warm(new, c.warm_prefixes) if s.role == PREFILL else 0
+            event = ScaleEvent(action, reason, new, s.num_replicas, s.depth, warmed, self.clock() - now, s.role)
+            log.info("autoscaler: %s of %s (%d replicas, %.1f requests per replica): added %s, warmed %d "
+                     "prefixes in %.1f s", reason.value, s.role, s.num_replicas, s.depth, new, warmed, event.seconds)
+        else:
+            victim = loads[s.role].replica_ids[-1]
+            self.backend.remove_replica(victim)
+            self._role_idle_since[s.role] = self.clock()  # another full idle period before the role's next removal
+            event = ScaleEvent(action, reason, victim, s.num_replicas, s.depth, 0, self.clock() - now, s.role)
+            log.info("autoscaler: %s of %s (%d replicas): removed %s", reason.value, s.role, s.num_replicas, victim)
         self.history.append(event)
         return event
 
