@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import make_engine, make_prompt
 from workers.engine.errors import HandoffError
+from workers.engine.handoff_import import _rebuild_request
 from workers.engine.sampling_params import SamplingParams
 
 MODES = [(0, "lossless"), (3, "drop"), (3, "lossless")]  # (k, eagle): k 0 runs no MTP head
@@ -254,3 +255,30 @@ def test_mismatched_engines_and_unprefilled_requests_are_refused(tiny_model):
     with pytest.raises(HandoffError, match="already on this engine"):
         b.import_request(handoff)
     assert b.has_unfinished()
+
+
+@pytest.mark.parametrize("k, eagle", MODES)
+def test_b_holding_only_the_prefix_kv_shares_it_without_a_mamba_state_there(tiny_model, k, eagle):
+    """B decoded this prompt before from a hand-off, so it caches the prompt's KV blocks but holds no
+    Mamba state at 64 (it never prefilled: its states sit at its own decode boundaries), and its
+    reconciled hit is 0. A second hand-off of the prompt shares B's KV up to 64 anyway: the package
+    brings the working state. Catches: an import admitted at the reconciled hit (nothing shared,
+    every page written), KV shared past what every attention group serves (pages or output differ)."""
+    ref = engine_for(tiny_model, k, eagle)
+    (ref_out,) = ref.generate([PROMPT], GREEDY)
+    b = engine_for(tiny_model, k, eagle)
+    first = engine_for(tiny_model, k, eagle)
+    b.import_request(first.export_request(prefill(first, PROMPT, request_id="first")))
+    finish(b, "first")
+    a = engine_for(tiny_model, k, eagle)
+    rid = prefill(a, PROMPT, request_id="second")
+    pages = request_pages(a, rid)
+    handoff = a.export_request(rid)
+    lookup = b.cache.lookup(_rebuild_request(b, handoff.meta))
+    assert (lookup.hit_tokens, lookup.attention_match_tokens) == (0, 64)
+    result = b.import_request(handoff)
+    assert result.num_hit_tokens == 64
+    assert result.num_pages_written[0] == 3  # of 7 target blocks: 4 shared
+    assert_same_pages(request_pages(b, rid), pages)
+    out, _ = finish(b, rid)
+    assert out.token_ids == ref_out.token_ids and b.num_computed_prompt_tokens == 0

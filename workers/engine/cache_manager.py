@@ -154,13 +154,18 @@ class EngineCacheManager:
         probes = self.coordinator.probes(req.hashes.hashes, req.num_prefill_tokens, self.lookup_view)
         return self.coordinator.reconcile(probes), probes
 
-    def try_admit(self, req: Request, first_chunk: int | None = None) -> bool:
+    def try_admit(self, req: Request, first_chunk: int | None = None, kv_only: bool = False) -> bool:
         """Look up the prefix hit and, if the pools have room for it and for up to `first_chunk`
         tokens past it (the scheduler's budget; default 1), restore it (KV blocks shared, Mamba
         state copied into the working page). Lazy: later chunks and decodes grow it. The first
-        admission also reports the lookup (`req.cache_report`, with its miss reason)."""
+        admission also reports the lookup (`req.cache_report`, with its miss reason). `kv_only`:
+        share the attention groups' blocks as far as they all serve, with or without a Mamba state
+        there (a hand-off's import brings its own working state: `handoff_import.py`)."""
         hit, probes = self._probe(req)
         length = hit.hit_tokens
+        if kv_only and probes:
+            top = probes[0].ctx.floor(probes[0].ctx.cap)
+            length = max(length, min((p.longest_servable(top) for p in probes if p.spec.is_attention), default=0))
         chunk = min(first_chunk or 1, req.num_prefill_tokens - length)
         positions = length + chunk + self.num_spec_tokens
         rid = req.request_id

@@ -4,7 +4,10 @@ the rows the receiver lacks:
     reserve_import(engine, meta, shapes) -> ImportReservation    admit the request through this
                                            engine's lookup: its pages are taken, the hit's blocks
                                            shared; `first_rows[g]`: the rows of group g the hit
-                                           already holds here (never sent, never written)
+                                           already holds here (never sent, never written). The
+                                           hit is the KV one (`try_admit(kv_only=True)`): as far
+                                           as every attention group serves, Mamba state or not,
+                                           since the package brings the working state at its end
     finish_import(engine, reservation, rows, sampler_state)      write the rows from first_rows on,
                                            restore the sampler and counters; decodes next step
     cancel_import(engine, reservation)     the rows never came (corrupt, cut): give the pages back
@@ -65,7 +68,7 @@ def reserve_import(engine: LLMEngine, meta: HandoffMeta, shapes: PageShapes) -> 
         raise HandoffError(f"request {meta.request_id!r} does not fit this engine's KV cache at all")
     n = meta.num_computed_tokens
     # first chunk: the rest of the prefill, so the admission takes pages up to n + k positions
-    if not cache.try_admit(req, first_chunk=n):
+    if not cache.try_admit(req, first_chunk=n, kv_only=True):
         raise HandoffError(f"no room for request {meta.request_id!r} here now; retry later")
     hit = req.num_computed_tokens
     req.num_computed_tokens, req.num_draft_computed_tokens = n, meta.num_draft_computed_tokens
