@@ -104,6 +104,9 @@ class RouteRequestMsg:
     forced_replica: str | None = None  # route here if it is alive (tests, warm-up)
     exclude: tuple[str, ...] = ()  # replicas that just failed this request
     dry_run: bool = False  # estimates only (warming a replica): no load is booked
+    # place a prefilled request's decode (`decode_placement.py`): among the candidates, by pages to
+    # move and load; books only its output tokens
+    decode_handoff: bool = False
 
 
 @dataclass(frozen=True)

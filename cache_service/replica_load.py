@@ -29,6 +29,7 @@ class _Load:
     report: LoadReportMsg = field(default_factory=LoadReportMsg)
     pending: deque = field(default_factory=deque)  # (time, tokens) routed, not yet in a report
     pending_tokens: int = 0
+    reported: bool = False
 
 
 class LoadBook:
@@ -66,7 +67,7 @@ class LoadBook:
         arrived = max(0, report.num_accepted - load.report.num_accepted)
         for _ in range(min(arrived, len(load.pending))):
             load.pending_tokens -= load.pending.popleft()[1]
-        load.report = report
+        load.report, load.reported = report, True
         self._set(replica_id, report.num_queued_tokens + load.pending_tokens)
 
     def add_pending(self, replica_id: str, tokens: int, at: float | None = None) -> None:
@@ -98,6 +99,11 @@ class LoadBook:
     def num_requests(self, replica_id: str) -> int:
         load = self._loads.get(replica_id)
         return 0 if load is None else load.report.num_requests + len(load.pending)
+
+    def free_blocks(self, replica_id: str) -> int | None:
+        """Attention blocks free or evictable at the replica's last report (None: none yet)."""
+        load = self._loads.get(replica_id)
+        return load.report.num_free_blocks if load is not None and load.reported else None
 
     def host_copy(self, replica_id: str) -> HostCopyPrice | None:
         """The replica's last measured price of a host hit (None: never reported one)."""

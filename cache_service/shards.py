@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import zlib
 
+from cache_service.decode_placement import place_decoder
 from cache_service.messages import RouteDecision, RoutedLoadOp, RouteRequestMsg
 from cache_service.router import NoReplicaError, ReplicaHits, RoutingPolicy
 
@@ -62,12 +63,26 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     if len(shards) > 1:
         loads = {r: q for s in shards for r, q in s.loads.view().items()}
         by_load = heapq.merge(*(s.loads.by_load() for s in shards))
-    prices = scored.priced(lambda r: shards[shard_of(r, len(shards))].loads.host_copy(r))
-    decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices)
+    def owner(r: str):
+        return shards[shard_of(r, len(shards))]
+
+    if msg.decode_handoff:
+        block_tokens = _attention_block_tokens(router.coordinator.layout)
+        free = {r: None if (b := owner(r).loads.free_blocks(r)) is None else b * block_tokens for r in candidates}
+        decision = place_decoder(router.config, scored, n, msg.num_output_tokens, loads, free, candidates)
+        booked = msg.num_output_tokens  # its prompt arrives computed
+    else:
+        prices = scored.priced(lambda r: owner(r).loads.host_copy(r))
+        decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices)
+        booked = n - decision.expected_hit_tokens + msg.num_output_tokens
     if not msg.dry_run:
-        owner = shards[shard_of(decision.replica_id, len(shards))]
-        owner.book(RoutedLoadOp(decision.replica_id, n - decision.expected_hit_tokens + msg.num_output_tokens,
-                                first.origin))
+        owner(decision.replica_id).book(RoutedLoadOp(decision.replica_id, booked, first.origin))
     first.counters["decisions"] += 1
     first.counters["load_only"] += decision.load_only
     return decision
+
+
+def _attention_block_tokens(layout) -> int:
+    """Tokens per block of the attention group a replica's `num_free_blocks` counts."""
+    ids = layout.attention_group_ids
+    return layout.groups[ids[0]].block_size if ids else layout.hash_block_size

@@ -81,5 +81,6 @@ class HandoffResultMsg:
     request_id: str
     holder: str | None
     delivered: bool
-    num_bytes: int = 0
+    num_bytes: int = 0  # crossed the pair channel
     reason: str | None = None
+    num_skipped_bytes: int = 0  # rows the decoder's own prefix hit held: not sent

@@ -153,7 +153,7 @@ class HandoffMixin:
             self._hold_handoff(handoff)
             raise
         return HandoffSentMsg(request_id, delivery.delivered, sent[0].num_payload_bytes if sent else 0,
-                              delivery.failure)
+                              delivery.failure, sent[0].num_skipped_bytes if sent else 0)
 
     @ray.method(concurrency_group="transfer")
     def recv_handoff(self, peer_id: str, endpoint: tuple[str, int], generation: int = 0) -> int:

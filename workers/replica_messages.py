@@ -55,8 +55,9 @@ class HandoffSentMsg:
 
     request_id: str
     delivered: bool
-    num_bytes: int = 0
+    num_bytes: int = 0  # crossed the channel
     reason: str | None = None
+    num_skipped_bytes: int = 0  # the package's rows the decoder already held (not sent)
 
 
 @dataclass(frozen=True)

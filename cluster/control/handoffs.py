@@ -24,7 +24,8 @@ class Handoffs:
     def __init__(self, replicas: ReplicaSet, timeout_s: float = 120.0) -> None:
         self.replicas = replicas
         self.timeout_s = timeout_s
-        self.counters = {"handoffs": 0, "handoffs_kept": 0, "handoff_failures": 0}
+        self.counters = {"handoffs": 0, "handoffs_kept": 0, "handoff_failures": 0, "handoff_bytes": 0,
+                         "handoff_skipped_bytes": 0}
         self.channels = PairChannels()
 
     def hand_off(self, msg: HandoffMsg) -> HandoffResultMsg:
@@ -60,7 +61,9 @@ class Handoffs:
                             sent.reason, src)
                 return HandoffResultMsg(msg.request_id, src, False, 0, sent.reason)
             self.counters["handoffs"] += 1
-            return HandoffResultMsg(msg.request_id, dst, True, sent.num_bytes)
+            self.counters["handoff_bytes"] += sent.num_bytes
+            self.counters["handoff_skipped_bytes"] += sent.num_skipped_bytes
+            return HandoffResultMsg(msg.request_id, dst, True, sent.num_bytes, num_skipped_bytes=sent.num_skipped_bytes)
 
     def _failed(self, msg: HandoffMsg, reason: str) -> HandoffResultMsg:
         self.counters["handoff_failures"] += 1

@@ -109,7 +109,6 @@ class ClusterBackend:
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_inflight, thread_name_prefix="request")
         self.metrics: DoorMetrics | None = None
         self.num_retries = 0
-        self.handoffs = DecodeHandoffs(self.replicas, self._lock)
         first = next(iter(self.replicas.replicas.values())).info
         self.limits = {"vocab_size": first.vocab_size, "max_model_len": first.max_model_len,
                        "alignment": first.alignment}
@@ -121,6 +120,7 @@ class ClusterBackend:
                                      read_replica=self.config.cache_service.read_replica, client_id=self.frontdoor_id,
                                      num_shards=self.replicas.num_shards)
         self.mover = PageMover(self.controller, self.replicas, self.router.links)
+        self.handoffs = DecodeHandoffs(self.replicas, self._lock, self.routing)
         self.hot = HotPrefixes(first.alignment, self.config.hot_prefixes)
         self.autoscaler = (AutoscalerProxy(self.controller, self._report_unfinished, self.replicas.refresh)
                            if self.config.autoscaler is not None else None)
@@ -143,9 +143,9 @@ class ClusterBackend:
                  self.controller.note_hot.remote(self.hot.items())])
 
     # ---- replicas (the controller does it; these wait for it) ---------------------------------------
-    def add_replicas(self, n: int) -> list[str]:
-        """Start `n` replicas (in parallel) and wait until they serve."""
-        ids = ray.get(self.controller.add_replicas.remote(n))
+    def add_replicas(self, n: int, role: str | None = None) -> list[str]:
+        """Start `n` replicas (in parallel) and wait until they serve; with `cluster.pd`, as `role`."""
+        ids = ray.get(self.controller.add_replicas.remote(n, role))
         self.replicas.refresh()
         return ids
 
@@ -251,7 +251,7 @@ class ClusterBackend:
 
     def hand_off(self, job: Job, src: str) -> str:
         """`request_streams.FrontDoor.hand_off` (`decode_handoffs.DecodeHandoffs`)."""
-        return self.handoffs.hand_off(self.controller, job.msg.request_id, src, self.release)
+        return self.handoffs.hand_off(self.controller, job.msg, src, self.release)
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route, reserve this front door's count on the target, move pages if planned; the target.
@@ -266,7 +266,8 @@ class ClusterBackend:
                         if not rep.draining and rep.role != "decode"}
             if self.disaggregated:  # the service's own pick must be a prefill replica too
                 exclude = exclude + tuple(r for r, rep in self.replicas.replicas.items() if rep.role == "decode")
-        target, decision = self.routing.route(job.msg, inflight, job.forced, exclude)
+        role = "prefill" if self.disaggregated else "mixed"
+        target, decision = self.routing.route(job.msg, inflight, job.forced, exclude, role=role)
         with self._lock:
             rep = self.replicas.get(target)
             if rep is not None:  # else gone meanwhile: the attempt fails over

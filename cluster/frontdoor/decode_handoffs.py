@@ -2,9 +2,12 @@
 request once its prefill replica has streamed the first token, and asking the controller to hand
 it over (`control/handoffs.py` moves it over the pair's channel).
 
-    pick_decoder   the live decode replica with the fewest of this front door's requests (ties: the
-                   first by id); its count is reserved at once. Prefix holding is not weighed: an
-                   import computes no prompt token on any decoder, a hit there only saves page writes
+    pick_decoder   the live decode replica the cache service places it on
+                   (`cache_service.decode_placement`: the pages the hand-off must move, which the
+                   decoder's own prefix hit spares, and its load, passing over one without memory
+                   headroom), decided on this front door's read replica of the index as a prefill
+                   route is; with no index answer, the one with the fewest of this front door's
+                   requests. Its count is reserved at once
     hand_off       the controller's answer names the replica that decodes the request now: the
                    decoder, or the prefill replica itself when the hand-off failed (it keeps and
                    finishes the request: `workers.handoff_transfer.hand_off_or_keep`); `counts` by
@@ -19,38 +22,51 @@ from collections.abc import Callable
 
 import ray
 
+from cache_service.router import NoReplicaError
 from cluster.frontdoor.membership import MembershipView
+from cluster.frontdoor.routing_client import RoutingClient
 from cluster.messages import HandoffMsg
+from workers.replica_messages import GenerateMsg
 
 log = logging.getLogger(__name__)
 
 
 class DecodeHandoffs:
-    def __init__(self, replicas: MembershipView, lock) -> None:
+    def __init__(self, replicas: MembershipView, lock, routing: RoutingClient) -> None:
         """`lock`: the front door's, guarding every replica's `num_inflight`."""
         self.replicas = replicas
         self._lock = lock
+        self.routing = routing
         self.counts = {"handoffs": 0, "handoffs_kept": 0}  # this front door's, by outcome
 
-    def pick_decoder(self) -> str | None:
-        """The decode replica for the next hand-off (module doc), its count reserved; None if there
+    def pick_decoder(self, msg: GenerateMsg) -> str | None:
+        """The decode replica for `msg`'s hand-off (module doc), its count reserved; None if there
         is none."""
         with self._lock:
-            loads = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
-                     if rep.role == "decode" and not rep.draining}
-            if not loads:
+            inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
+                        if rep.role == "decode" and not rep.draining}
+            others = tuple(r for r in self.replicas.replicas if r not in inflight)
+        if not inflight:
+            return None
+        try:
+            target, _ = self.routing.route(msg, inflight, exclude=others, role="decode")
+        except NoReplicaError:
+            return None
+        with self._lock:
+            rep = self.replicas.get(target)
+            if rep is None:  # gone meanwhile: the hand-off fails and the prefill replica keeps it
                 return None
-            target = min(sorted(loads), key=loads.get)
-            self.replicas.get(target).num_inflight += 1
+            rep.num_inflight += 1
             return target
 
-    def hand_off(self, controller, request_id: str, src: str, release: Callable[[str], None]) -> str:
-        """The replica decoding `request_id` after the controller's hand-off from `src` (`release`
+    def hand_off(self, controller, msg: GenerateMsg, src: str, release: Callable[[str], None]) -> str:
+        """The replica decoding `msg` after the controller's hand-off from `src` (`release`
         gives back a decoder's reserved count when it does not take the request). Raises
         `StreamBrokenError` when there is no answer or no holder."""
         from cluster.frontdoor.request_streams import StreamBrokenError
 
-        dst = self.pick_decoder()
+        request_id = msg.request_id
+        dst = self.pick_decoder(msg)
         try:
             result = ray.get(controller.hand_off.remote(HandoffMsg(request_id, src, dst or "")))
         except Exception as exc:  # noqa: BLE001 - the controller died mid-hand-off: retry from the start

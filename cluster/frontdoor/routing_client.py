@@ -126,16 +126,20 @@ class RoutingClient:
                                         cache_salt=salt).hashes)
 
     def route(self, msg: GenerateMsg, inflight: dict[str, int], forced: str | None = None,
-              exclude: tuple[str, ...] = (), dry_run: bool = False) -> tuple[str, RouteDecision | None]:
+              exclude: tuple[str, ...] = (), dry_run: bool = False,
+              role: str = "mixed") -> tuple[str, RouteDecision | None]:
         """(target, decision or None when routed by load). `inflight`: the routable replicas here
-        and this front door's requests on each. Raises `NoReplicaError` if there is none."""
+        and this front door's requests on each. `role`: "mixed" (the whole request), "prefill"
+        (up to its first token: that much output booked) or "decode" (the decoder of a prefilled
+        request: `cache_service.decode_placement`). Raises `NoReplicaError` if there is none."""
         candidates = {r: n for r, n in inflight.items() if r not in exclude}
         if not candidates:
             raise NoReplicaError("no live replica")
         hashes = msg.block_hashes if msg.block_hashes is not None else self.hashes(msg.prompt_token_ids, msg.cache_salt)
+        outputs = 1 if role == "prefill" else msg.params.max_tokens
         request = RouteRequestMsg(hashes, len(msg.prompt_token_ids),
-                                  msg.cache_salt, msg.params.max_tokens, forced if forced in candidates else None,
-                                  tuple(exclude), dry_run)
+                                  msg.cache_salt, outputs, forced if forced in candidates else None,
+                                  tuple(exclude), dry_run, decode_handoff=role == "decode")
         decision = self._decide(request)
         if forced in candidates:
             return forced, decision

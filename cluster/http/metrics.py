@@ -187,7 +187,9 @@ class ClusterCounters:
              "replica_restarts": "replacements started for dead replicas (fixed replica count)",
              "handoffs": "requests a prefill replica handed to a decode replica after the first token (cluster.pd)",
              "handoffs_kept": "hand-offs that failed on the way: the prefill replica kept and finished the request",
-             "handoff_failures": "hand-offs with no replica left to hold the request: it is served again"}
+             "handoff_failures": "hand-offs with no replica left to hold the request: it is served again",
+             "handoff_bytes": "bytes of delivered hand-offs that crossed a pair channel (pages, sampler state)",
+             "handoff_skipped_bytes": "bytes of delivered hand-offs the decoder's own prefix cache held: not sent"}
     GAUGES = {"num_replicas": "replicas the controller runs (draining ones until they stop)",
               "replica_slots": "replicas the controller keeps, replacing dead ones (a fixed replica count; "
                                "no sample under the autoscaler)"}

@@ -77,15 +77,33 @@ def test_pd_outputs_equal_one_engine_and_the_decoder_computes_no_prompt(pd_clust
     assert stats["num_steps"] > 0  # the decoder did decode
 
 
+def _package(tiny_dir, k: int, prompt: list[int]):
+    """The hand-off package of `prompt` after its first token, exported from an in-process engine."""
+    from tests.engine.test_handoff import prefill
+
+    engine = LLMEngine.from_checkpoint(tiny_dir, _config(k))
+    return engine.export_request(prefill(engine, prompt, params=PARAMS))
+
+
 def test_resend_hits_on_the_prefill_replica_and_reports_cached_tokens(pd_cluster, ray_session, tiny_dir):
     # catches: cached_tokens lost or recomputed across the hand-off (the importer's counters), or
-    # the export dropping the prefill replica's cache (the request is finished there as HANDOFF)
+    # the export dropping the prefill replica's cache (the request is finished there as HANDOFF);
+    # and a hand-off that sends the decoder rows it already holds: it decoded this prompt before
+    # (the first test), so its own hit of 128 spares 8 target blocks (and 7 draft blocks: lossless
+    # rewrites the one holding 127), counted by the controller against the whole package's size
     k, backend, prefill, decode = pd_cluster
     prompt = PROMPTS[0]
+    before = ray_session.get(backend.controller.stats.remote())
     final, served = backend.generate(prompt, PARAMS)
     assert served == decode and final.token_ids == _reference(tiny_dir, k, prompt)
     assert final.num_cached_tokens == 128  # floor(149 / 64) * 64: A's prompt pages stayed cached
     assert final.num_computed_prompt_tokens == len(prompt) - 128
+    after = ray_session.get(backend.controller.stats.remote())
+    sent, skipped = (after[key] - before[key] for key in ("handoff_bytes", "handoff_skipped_bytes"))
+    package = _package(tiny_dir, k, prompt)
+    row = [sum(t[0].numel() * t.element_size() for t in group) for group in package.pages]
+    assert skipped == 8 * row[0] + (7 * row[2] if k else 0)
+    assert sent + skipped == package.nbytes  # greedy: no sampler state on the wire
 
 
 def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_session, tiny_dir):
