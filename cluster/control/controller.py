@@ -8,7 +8,8 @@
       Warmer          new replicas warmed with every front door's hot prefixes (`control.warmup`)
       count keeper    `ReplicaCountKeeper`: with an autoscaler configured, the `ReplicaAutoscaler`
                       over the replicas' own load reports (all front doors' work; this actor is its
-                      `ScalableReplicas`; it replaces dead replicas up to min); without one, the
+                      `ScalableReplicas`; it replaces dead replicas up to min; with `cluster.pd`
+                      per role: `role_loads`, `add_replicas(role=)`); without one, the
                       `ReplicaRestarter`, which replaces each dead replica of the fixed count
                       (crash-loop backoff). Never both.
 
@@ -48,7 +49,7 @@ from cache_service.router import RouterConfig
 from cluster.config import ClusterConfig
 from cluster.control.handoffs import Handoffs
 from cluster.control.replica_count import REMOVED, ReplicaCountKeeper
-from cluster.control.replica_roles import ReplicaRoles
+from cluster.control.replica_roles import ReplicaRoles, RoleLoad
 from cluster.control.replica_set import ReplicaSet
 from cluster.control.service_shards import ServiceShards
 from cluster.control.transfers import Transfers
@@ -174,20 +175,38 @@ class ClusterController:
     def num_unfinished(self) -> int:
         """Requests in flight: what the replicas report (every front door's work), or what the
         front doors report if more (requests accepted but not yet on a replica)."""
-        horizon = time.monotonic() - 5.0
-        doors = sum(n for t, n in self._frontdoors.values() if t >= horizon)
+        doors = self._door_unfinished()
         try:
             loads = self.shards.loads()
         except Exception:  # noqa: BLE001 - unknown while the service restarts
             return doors
         return max(doors, sum(load["requests"] for r, load in loads.items() if r in self.replicas.replicas))
 
-    def add_replicas(self, n: int) -> list[str]:
-        """Start `n` replicas on purpose (the count kept after a death grows by `n`)."""
+    def _door_unfinished(self) -> int:
+        horizon = time.monotonic() - 5.0
+        return sum(n for t, n in self._frontdoors.values() if t >= horizon)
+
+    def role_loads(self) -> dict[str, RoleLoad]:
+        """With `cluster.pd`, each role's replicas and requests in flight (the autoscaler's signal;
+        `ReplicaRoles.loads`): the replicas' reports, and the front doors' for what no replica has."""
+        ids, doors = self.replicas.ids, self._door_unfinished()
+        try:
+            requests = {r: load["requests"] for r, load in self.shards.loads().items()}
+        except Exception:  # noqa: BLE001 - unknown while the service restarts
+            requests = None
+        with self._lock:
+            return self.roles.loads(ids, requests, doors)
+
+    def add_replicas(self, n: int, role: str | None = None) -> list[str]:
+        """Start `n` replicas on purpose (the count kept after a death grows by `n`); with
+        `cluster.pd` and `role` (PREFILL or DECODE), each starts as one (None: `role_of`'s rule)."""
         cap = self.config.autoscaler.max_replicas if self.config.autoscaler is not None else None
         if cap is not None and len(self.replicas.replicas) + n > cap:
             raise RuntimeError(f"at most {cap} replicas (autoscaler.max_replicas)")
-        ids = self._start_replicas(n)
+        if role is not None:
+            with self._lock:  # refused before anything starts
+                self.roles.check_add(role, self.replicas.ids, n, capped=cap is not None)
+        ids = self._start_replicas(n, role)
         self.keeper.started(ids)
         return ids
 
@@ -196,9 +215,10 @@ class ClusterController:
         (rid,) = self._start_replicas(1)
         return rid
 
-    def _start_replicas(self, n: int) -> list[str]:
-        """Start, register with the cache service, attach; then front doors see them (version)."""
-        ids = self.replicas.add(n)
+    def _start_replicas(self, n: int, role: str | None = None) -> list[str]:
+        """Start (as `role`, if given), register with the cache service, attach; then front doors
+        see them (version)."""
+        ids = self.replicas.add(n, before_listed=None if role is None else functools.partial(self._assign, role))
         try:
             self.shards.add(ids)
         except Exception:  # noqa: BLE001 - a restarted service learns them from their pushes
@@ -212,6 +232,10 @@ class ClusterController:
             raise
         self._changed()
         return ids
+
+    def _assign(self, role: str, replica_id: str) -> None:
+        with self._lock:
+            self.roles.assign(replica_id, role)
 
     def remove_replica(self, replica_id: str, timeout_s: float = 60.0) -> None:
         """Drain: front doors stop routing to it; once it reports nothing in flight, stop it."""

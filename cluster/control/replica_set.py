@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import ray
@@ -79,8 +79,10 @@ class ReplicaSet:
         self._suspect_nodes: dict[str, float] = {}  # node id -> when a replica of it was purged as failed
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def add(self, n: int) -> list[str]:
-        """Start `n` replicas in parallel and wait until they serve."""
+    def add(self, n: int, before_listed: Callable[[str], None] | None = None) -> list[str]:
+        """Start `n` replicas in parallel and wait until they serve. `before_listed(replica_id)`:
+        called for each just before it is listed in `replicas` (what must hold from its first
+        listing on: the controller's role for it)."""
         if n <= 0:
             return []
         from ray.util.placement_group import placement_group
@@ -117,6 +119,8 @@ class ReplicaSet:
                 self._stop(actor, pg)
                 raise RuntimeError(f"{rid} loaded a different model ({info.fingerprint})")
             self.fingerprint = info.fingerprint
+            if before_listed is not None:
+                before_listed(rid)
             with self._lock:
                 self.replicas[rid] = ReplicaHandle(rid, actor, info, pg)
             out.append(rid)
