@@ -11,7 +11,8 @@ that prefilled it to another that decodes it, byte-exact, in process.
 
 A `Handoff` is plain tensors plus one small frozen `HandoffMeta`, so a later transport can send it
 over the page-transfer channel (`workers/transfer.py`). Its pages, per cache group, one tensor per
-`package_tensors(cache, group)` entry, row j of each being:
+`package_specs(cache, group)` entry (at TP > 1 every rank's shard: `page_tensors.read_rows`), row j
+of each being:
 
     full    target KV block j of the request, j < ceil(num_computed / block_size) (the partial last
             block included), with its lossless-EAGLE sidecar row when the engine keeps one
@@ -35,7 +36,7 @@ import torch
 from cache_service.miss_reasons import LookupReport
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.errors import HandoffError
-from workers.engine.page_tensors import page_tensors
+from workers.engine.page_tensors import read_rows, row_specs
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
@@ -66,13 +67,14 @@ class HandoffEngineSpec:
     num_spec_tokens: int  # 0 without speculation (or without an MTP head)
     eagle_mode: str  # "off" without speculation
     group_kinds: tuple[str, ...]
+    tp_size: int = 1  # a TP replica's pages are per-rank shards: only an equal TP size can take them
 
     @classmethod
     def of(cls, engine: LLMEngine) -> HandoffEngineSpec:
         cache, config = engine.cache, engine.config
         return cls(config.model_fingerprint, config.dtype, config.kv_block_size, config.mamba_block_size,
                    cache.num_spec_tokens, cache.coordinator.eagle.value,
-                   tuple(spec.kind for spec in cache.layout.groups))
+                   tuple(spec.kind for spec in cache.layout.groups), getattr(cache.caches, "tp_size", 1))
 
     def check_matches(self, here: HandoffEngineSpec) -> None:
         """Raise `HandoffError` naming the first field that differs (self: the exporter's)."""
@@ -136,9 +138,10 @@ class HandoffImport:
     num_bytes_written: int
 
 
-def package_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
-    """A group's page tensors as a hand-off carries them: the sidecar only where it is kept."""
-    return page_tensors(cache, group, sidecar=cache.keeps_sidecar)
+def package_specs(cache: EngineCacheManager, group: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, row shape) of each of a group's tensors as a hand-off carries them: every TP rank's
+    shard (`page_tensors.row_specs`), the sidecar only where it is kept."""
+    return row_specs(cache, group, sidecar=cache.keeps_sidecar)
 
 
 def _request_pages(cache: EngineCacheManager, req: Request) -> list[list[int]]:
@@ -172,9 +175,7 @@ def export_request(engine: LLMEngine, request_id: str) -> Handoff:
         req.set_drafts(engine.pending_drafts.tokens.view(-1)[first : first + req.num_draft_tokens].tolist())
     pages = []
     for group, ids in enumerate(_request_pages(cache, req)):
-        tensors = package_tensors(cache, group)
-        index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
-        pages.append(tuple(t.index_select(0, index) for t in tensors))  # copies: A's pages go back below
+        pages.append(read_rows(cache, group, ids, sidecar=cache.keeps_sidecar))  # copies: A's pages go back below
     seed, state = req.sampler.state()
     meta = HandoffMeta(
         HandoffEngineSpec.of(engine), request_id, tuple(req.prompt_token_ids), tuple(req.output_token_ids),

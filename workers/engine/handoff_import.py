@@ -27,7 +27,8 @@ import torch
 
 from cache_service.block_hash import RequestBlockHashes
 from workers.engine.errors import HandoffError
-from workers.engine.handoff import Handoff, HandoffEngineSpec, HandoffImport, HandoffMeta, LLMEngine, package_tensors
+from workers.engine.handoff import Handoff, HandoffEngineSpec, HandoffImport, HandoffMeta, LLMEngine, package_specs
+from workers.engine.page_tensors import write_rows
 from workers.engine.request import Request
 from workers.engine.sampling import Sampler
 
@@ -124,10 +125,10 @@ def _check_page_shapes(cache, shapes: PageShapes) -> None:
     if len(shapes) != len(cache.layout.groups):
         raise HandoffError(f"the hand-off has {len(shapes)} cache groups, this engine {len(cache.layout.groups)}")
     for group, specs in enumerate(shapes):
-        tensors = package_tensors(cache, group)
-        if (len(specs) != len(tensors) or len({shape[0] for _, shape in specs}) > 1
-                or any(tuple(shape[1:]) != tuple(t.shape[1:]) or dtype != t.dtype
-                       for (dtype, shape), t in zip(specs, tensors))):
+        mine = package_specs(cache, group)
+        if (len(specs) != len(mine) or len({shape[0] for _, shape in specs}) > 1
+                or any(tuple(shape[1:]) != row_shape or dtype != row_dtype
+                       for (dtype, shape), (row_dtype, row_shape) in zip(specs, mine))):
             raise HandoffError(f"group {group}: the hand-off's pages do not have this engine's page shapes")
 
 
@@ -163,12 +164,8 @@ def _write_pages(cache, req: Request, boundary_positions: tuple[int, ...], first
         else:
             dst = manager.block_ids(rid)
         written.append(count)
-        if not count:
-            continue
-        dst_index = torch.tensor(dst[first : first + count], dtype=torch.long)
-        for t, r in zip(package_tensors(cache, group), tensors):
-            t.index_copy_(0, dst_index.to(t.device), r.to(t.device))
-            nbytes += count * t[0].numel() * t.element_size()
+        if count:
+            nbytes += write_rows(cache, group, dst[first : first + count], tensors, sidecar=cache.keeps_sidecar)
     return tuple(written), nbytes
 
 

@@ -13,6 +13,8 @@ layers all-reduce inside the forward, so all ranks hold the same full hidden sta
     draft_kv[j][kv][dst].copy_(..) --->     COPY_DRAFT_PAGE [j, kv, src, dst]
     model.allocate_caches(...)     --->     ALLOCATE     [sizes]
     model.forward_counts_by_rank() --->     FORWARD_COUNTS  (an all-reduce: each rank's ForwardCounts)
+    caches.read_rows(kind, ids)    --->     GATHER_ROWS  [kind, ids...]   (tp_pages.py: a hand-off's pages)
+    caches.write_rows(kind, ids, r) --->    SCATTER_ROWS [kind, ids...]
     model.close()                  --->     STOP
     model.compute_logits(h)                 (rank 0 only: it alone holds lm_head)
 
@@ -34,6 +36,7 @@ from workers.model.config import HybridModelConfig
 from workers.model.forward_batch import ForwardBatch, ForwardCounts, SeqChunk
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.tp_group import TPGroup
+from workers.model.tp_pages import KINDS, gather_rows, scatter_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class TPCommand(enum.IntEnum):
     COPY_DRAFT_PAGE = 6
     FORWARD_COUNTS = 7
     COPY_STATES = 8
+    GATHER_ROWS = 9
+    SCATTER_ROWS = 10
 
 
 def encode_batch(batch: ForwardBatch) -> list[int]:
@@ -139,6 +144,18 @@ class TPCaches:
                 "pages; direct page access (prefix transfer between replicas) is not implemented for TP > 1"
             )
         return getattr(self.local, name)
+
+    tp_size = property(lambda self: self.model.tp_size)
+
+    def read_rows(self, kind: str, ids: list[int]) -> list[torch.Tensor]:
+        """Pages `ids` of a group kind, every rank's shard (rank-major: `tp_pages.py`; tp_size > 1)."""
+        self.model.send(TPCommand.GATHER_ROWS, [KINDS.index(kind), *map(int, ids)])
+        return gather_rows(self.local, self.model.group, kind, list(ids))
+
+    def write_rows(self, kind: str, ids: list[int], rows: list[torch.Tensor]) -> None:
+        """Write `read_rows`-shaped rows into pages `ids` on every rank."""
+        self.model.send(TPCommand.SCATTER_ROWS, [KINDS.index(kind), *map(int, ids)])
+        scatter_rows(self.local, self.model.group, kind, list(ids), rows)
 
     kv = property(lambda self: self._whole("kv"))
     conv = property(lambda self: self._whole("conv"))
@@ -298,6 +315,10 @@ def serve_tp_commands(shard: HybridForCausalLM, group: TPGroup) -> int:
                 caches.zero_state(*ints)
             elif kind is TPCommand.FORWARD_COUNTS:
                 gather_forward_counts(shard, group)
+            elif kind is TPCommand.GATHER_ROWS:
+                gather_rows(caches, group, KINDS[ints[0]], ints[1:])
+            elif kind is TPCommand.SCATTER_ROWS:
+                scatter_rows(caches, group, KINDS[ints[0]], ints[1:])
             elif kind is TPCommand.COPY_DRAFT_PAGE:
                 layer, which, src, dst = ints
                 pool = caches.draft_kv[layer][which]
