@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
 
 ENGINE = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20, num_spec_tokens=0)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)  # streams decoding for seconds
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # streams decoding for seconds
 DEADLINE_S = 60.0
 LOAD_ROUNDS = 5  # batches of long prompts tried before the prefill queue is called never deep
 
