@@ -80,7 +80,7 @@ class _StreamingImporter:
 
 class HandoffMixin:
     """A replica's side of prefill/decode hand-offs (module docstring). Needs `TransferMixin`'s
-    channels and `Replica`'s runner and `_relay`."""
+    channels and `Replica`'s runner, `_relay`, `_on_loop` and `_after_step`."""
 
     _handoff_lock = threading.Lock()  # replaced per actor in `_handoff_state`
     _clock = staticmethod(time.monotonic)  # a seam for tests
@@ -98,6 +98,16 @@ class HandoffMixin:
         self._sweep_unclaimed()
         with self._handoff_lock:
             self._held[handoff.meta.request_id] = (handoff, self._clock())
+
+    @property
+    def num_held_handoffs(self) -> int:
+        """Packages exported here and not sent yet: the load report counts them as requests, so a
+        drain does not stop this replica between a request's first token and its hand-off."""
+        return len(self.__dict__.get("_held", ()))
+
+    def _report_load(self) -> None:
+        """A fresh load report (a package left: an idle replica would not step to send one)."""
+        self._on_loop(lambda: self._after_step(self.runner.engine))
 
     def _sweep_unclaimed(self) -> None:
         """Drop held packages and abort imported requests nobody claimed within `UNCLAIMED_TTL_S`."""
@@ -152,6 +162,7 @@ class HandoffMixin:
         except Exception:
             self._hold_handoff(handoff)
             raise
+        self._report_load()
         return HandoffSentMsg(request_id, delivery.delivered, sent[0].num_payload_bytes if sent else 0,
                               delivery.failure, sent[0].num_skipped_bytes if sent else 0)
 

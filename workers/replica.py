@@ -49,6 +49,8 @@ class ReplicaUnhealthyError(RuntimeError):
 class Replica:
     """The actor body (wrapped with `ray.remote` by `cluster.control.replica_set`)."""
 
+    num_held_handoffs = 0  # packages waiting for their hand-off (`HandoffMixin` counts its own)
+
     def __init__(self, replica_id: str, model_dir: str, engine_config, tp_size: int = 1,
                  backend: str = "gloo", service_name: str | None = None, namespace: str | None = None,
                  max_streams: int = 512, tp_actor_options: dict | None = None) -> None:
@@ -91,7 +93,8 @@ class Replica:
             queued += max(0, req.num_prompt_tokens - req.num_computed_tokens)
             queued += max(0, req.params.max_tokens - len(req.output_token_ids))
         free = engine.cache.num_free_kv_blocks
-        self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished, free, self._num_accepted,
+        held = self.num_held_handoffs  # exported, not yet sent: a drain waits for them too
+        self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished + held, free, self._num_accepted,
                                              engine.host_copy_price()))
 
     def _snapshot_for_resync(self) -> CacheSnapshot:

@@ -42,3 +42,24 @@ def test_unclaimed_packages_are_dropped_and_unread_imports_aborted():
     assert replica.aborted == ["imported"] and not replica._resumed
     with pytest.raises(HandoffError, match="holds no request 'old'"):
         replica.send_handoff("old", "r1")
+
+
+def test_held_packages_count_as_requests_until_sent():
+    """A drain waits for the load report's requests to reach 0 (`Controller.remove_replica`): a
+    package held between a request's first token and its hand-off must count there, and a send
+    (delivered or kept) must refresh the report. Catches: a report blind to held packages (the
+    drain stops the replica under them), a send that leaves the stale count (the drain waits to
+    its timeout)."""
+    replica = Bare()
+    reports = []
+    replica._on_loop = lambda fn: fn()
+    replica._after_step = lambda engine: reports.append(replica.num_held_handoffs)
+    imported = SimpleNamespace(import_request=lambda h: SimpleNamespace(request_id=h.meta.request_id))
+    replica.runner = SimpleNamespace(engine=imported, adopt_stream=lambda rid: object(), abort=None)
+    assert replica.num_held_handoffs == 0  # nothing held yet (no state made)
+    replica._hold_handoff(package("a"))
+    replica._hold_handoff(package("b"))
+    assert replica.num_held_handoffs == 2
+    sent = replica.send_handoff("b", None)  # no receiver: kept here, decoded here
+    assert not sent.delivered and "b" in replica._resumed
+    assert reports == [1]  # refreshed at once: "a" is still held
