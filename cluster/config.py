@@ -172,7 +172,7 @@ class ClusterConfig:
             raise ConfigError(f"cluster: {exc}") from None
 
     def _check_pd(self) -> None:
-        """With pd: the ray backend, tp_size 1, num_replicas the roles' start counts' sum, and
+        """With pd: the ray backend, num_replicas the roles' start counts' sum, and
         min/max_replicas (given or not) the sums of the roles' bounds."""
         pd = self.pd
         if not pd.enabled:
@@ -189,8 +189,6 @@ class ClusterConfig:
                     f"cluster.{bound}_replicas ({given}) must equal cluster.pd.{bound}_prefill + "
                     f"{bound}_decode ({getattr(pd, f'{bound}_prefill')} + {getattr(pd, f'{bound}_decode')}) "
                     f"with cluster.pd: bound each role there (cluster.{bound}_replicas left out is their sum)")
-        if self.tp_size != 1:
-            raise ConfigError("cluster.pd: tp_size 1 only (pages of a tensor-parallel replica cannot move yet)")
 
     @property
     def autoscaler(self) -> AutoscalerConfig | None:

@@ -52,18 +52,23 @@ def test_pd_roles_load(tmp_path):
     ("cluster:\n  pd:\n    max_decode: 3\n", "cluster.pd: max_decode=3 needs num_prefill and num_decode >= 1"),
     ("cluster:\n  pd:\n    num_prefill: 1\n    num_decode: 1\n    max_prefill: two\n",
      "cluster.pd.max_prefill: expected int"),
-    ("cluster:\n  num_replicas: 2\n  tp_size: 2\n  pd:\n    num_prefill: 1\n    num_decode: 1\n",
-     "cluster.pd: tp_size 1 only"),
     ("cluster:\n  pd:\n    num_prefill: 1\n    num_prefil: 1\n", "cluster.pd.num_prefil: unknown key"),
     ("cluster:\n  pd:\n    num_prefill: one\n", "cluster.pd.num_prefill: expected int"),
 ], ids=["one-side-only", "negative", "count-mismatch", "cluster-max-not-the-roles-sum", "cluster-min-not-the-roles-sum",
         "min-prefill-0", "prefill-max-below-its-count", "decode-min-above-its-count", "decode-max-0",
-        "bounds-without-pd", "bound-wrong-type", "tensor-parallel", "typo", "wrong-type"])
+        "bounds-without-pd", "bound-wrong-type", "typo", "wrong-type"])
 def test_bad_pd_is_one_clear_error(tmp_path, yaml_text, message):
     # catches: a half-configured or inconsistent split accepted (a cluster with no decoder, or roles
     # the controller cannot fill), or an error that does not name the key
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         _load(tmp_path, yaml_text)
+
+
+def test_pd_takes_tensor_parallel_replicas(tmp_path):
+    # catches: the old refusal left in (a TP replica's hand-off moves every rank's shard now:
+    # tests/cluster/test_tp_ray.py serves one)
+    config = _load(tmp_path, "cluster:\n  num_replicas: 2\n  tp_size: 2\n  pd:\n    num_prefill: 1\n    num_decode: 1\n")
+    assert config.cluster.tp_size == 2 and config.cluster.pd.enabled
 
 
 def test_inprocess_backend_refuses_pd(tmp_path):

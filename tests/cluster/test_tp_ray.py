@@ -71,3 +71,31 @@ def test_tp2_replicas_behind_the_cluster_backend_serve_and_hit(ray_session):
         assert [a.num_prompt_tokens - b.num_prompt_tokens for a, b in zip(after.ranks, before.ranks)] == [rest] * 2
     finally:
         backend.shutdown()
+
+
+def test_tp2_prefill_hands_off_to_a_tp2_decoder(ray_session):
+    """`cluster.pd` 1:1 with TP 2 replicas (each rank 0 + a TPWorker actor): every request prefills on
+    the prefill replica and is handed off with every rank's shard of its pages; outputs equal one TP 1
+    engine's token for token, each token streamed once, and no rank of the decoder runs a prompt
+    token. Catches: a hand-off that carries rank 0's shard only (the decoder's rank 1 would decode
+    from stale pages and the output diverge), a decoder that re-prefills, a kept hand-off (the count)."""
+    from cluster.config import ClusterConfig, PDConfig
+    from cluster.frontdoor.backend import ClusterBackend
+
+    prompts = code_prompts()[1:]
+    ref = make_engine(load_model(TRAINED, kernels="torch"), num_spec_tokens=3).generate(prompts, PARAMS)
+    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20, num_spec_tokens=3)
+    backend = ClusterBackend(str(TRAINED), config, ClusterConfig(name=None, num_replicas=2, tp_size=2,
+                                                                 pd=PDConfig(num_prefill=1, num_decode=1)))
+    try:
+        roles = {rep.role: r for r, rep in backend.replicas.replicas.items()}
+        decoder = backend.replicas.get(roles["decode"]).actor
+        for prompt, want in zip(prompts, ref):
+            outs = list(backend.submit(prompt, PARAMS))
+            assert outs[-1].finished and outs[-1].token_ids == want.token_ids
+            assert [t for o in outs for t in o.new_token_ids] == list(want.token_ids)
+        work = ray_session.get(decoder.work_counts.remote())
+        assert work.num_computed_prompt_tokens == 0 and [r.num_prompt_tokens for r in work.ranks] == [0, 0]
+        assert backend.handoff_counts == {"handoffs": len(prompts), "handoffs_kept": 0}
+    finally:
+        backend.shutdown()
