@@ -3,6 +3,8 @@
     num_prefill, num_decode    replicas of each role at start (both 0, the default: all mixed)
     min_prefill, max_prefill   the autoscaler's bounds for the prefill role (None: num_prefill)
     min_decode, max_decode     ...and for the decode role (None: num_decode)
+    prefill_cpus, decode_cpus  a Linux CPU list ("0", "0-3,8") each replica of the role pins its
+                               process to (`workers/cpu_affinity.py`; None: no pinning)
 
 Every bound left out fixes its role at its start count; a role with min < max is scaled by the
 autoscaler within its own bounds (`control.scale_policy.decide_roles`). The cluster's own
@@ -12,6 +14,8 @@ min/max_replicas are the roles' sums (`ClusterConfig` derives and checks them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from workers.cpu_affinity import CpuListError, parse_cpu_list
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 ROLES = (PREFILL, DECODE)  # the order roles are filled in and ties between them broken
@@ -30,6 +34,8 @@ class PDConfig:
     max_prefill: int | None = None  # None: num_prefill
     min_decode: int | None = None  # None: num_decode
     max_decode: int | None = None  # None: num_decode
+    prefill_cpus: str | int | None = None  # None: not pinned
+    decode_cpus: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
@@ -44,6 +50,7 @@ class PDConfig:
                 raise ValueError(f"{given[0]}={getattr(self, given[0])} needs num_prefill and num_decode >= 1 "
                                  f"(both 0: all replicas mixed, no role to bound)")
         for role in ROLES:
+            self.cpus(role)  # parses, or raises naming the key
             num = getattr(self, f"num_{role}")
             for bound in ("min", "max"):
                 if getattr(self, f"{bound}_{role}") is None:
@@ -68,6 +75,20 @@ class PDConfig:
     @property
     def max_replicas(self) -> int:
         return self.max_prefill + self.max_decode
+
+    def cpus(self, role: str) -> tuple[int, ...] | None:
+        """The CPUs replicas of `role` pin to (None: not pinned; always None for mixed)."""
+        if role not in ROLES:
+            return None
+        text = getattr(self, f"{role}_cpus")
+        if text is None:
+            return None
+        if not self.enabled:
+            raise ValueError(f"{role}_cpus={text} needs num_prefill and num_decode >= 1")
+        try:
+            return parse_cpu_list(text)
+        except CpuListError as exc:
+            raise ValueError(f"{role}_cpus: {exc}") from None
 
     def bounds(self, role: str) -> tuple[int, int]:
         """(min, max) replicas of `role` (PREFILL or DECODE)."""

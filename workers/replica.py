@@ -234,6 +234,17 @@ class Replica:
         """Handles of this replica's TPWorker actors (ranks 1..n-1), e.g. to kill one."""
         return list(getattr(self.runner.engine.model, "tp_workers", ()))
 
+    @ray.method(concurrency_group="control")
+    def pin_cpus(self, cpus: tuple[int, ...]) -> tuple[int, ...]:
+        """Pin this replica's process (every thread) and its TP ranks' to `cpus` (`cluster.pd`'s
+        `<role>_cpus`); what the kernel reports. Raises `CpuListError` naming CPUs it refuses."""
+        from workers.cpu_affinity import pin_this_process
+
+        pinned = pin_this_process(tuple(cpus))
+        if self.tp_size > 1:  # a command to the other ranks, from the loop thread (it owns the TP group)
+            self.runner.call(lambda engine: engine.model.pin_cpus(tuple(cpus)))
+        return pinned
+
     # ---- facts --------------------------------------------------------------------------------
     @ray.method(concurrency_group="control")
     def describe(self) -> ReplicaInfoMsg:

@@ -121,6 +121,7 @@ class ClusterController:
         self.transfers = Transfers(self.replicas, config.transfer_timeout_s)
         self.handoffs = Handoffs(self.replicas, config.transfer_timeout_s)
         self.roles = ReplicaRoles(config.pd)
+        self._pin(initial)
         estimate = functools.partial(dry_run_estimate, self.shards, first.hash_block_size, first.fingerprint,
                                      self.replicas.routable)
         self.hot = HotPrefixBook(config.hot_prefixes)
@@ -230,8 +231,20 @@ class ClusterController:
             for r in ids:  # died while starting: never left in the membership
                 self.replicas.purge(r, f"failed to start ({type(exc).__name__})")
             raise
+        self._pin(ids)
         self._changed()
         return ids
+
+    def _pin(self, ids: list[str]) -> None:
+        """Pin each replica to its role's CPUs (`cluster.pd.<role>_cpus`; none set: nothing).
+        Raises if a replica refuses (the CPUs are not online there): never left unpinned."""
+        for rid in ids:
+            with self._lock:
+                role = self.roles.role_of(rid)
+            cpus, rep = self.config.pd.cpus(role), self.replicas.get(rid)
+            if cpus is not None and rep is not None:
+                pinned = ray.get(rep.actor.pin_cpus.remote(cpus), timeout=60.0)
+                log.info("%s (%s) pinned to CPUs %s", rid, role, list(pinned))
 
     def _assign(self, role: str, replica_id: str) -> None:
         with self._lock:

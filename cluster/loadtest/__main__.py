@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="variants for --compare (pd: mixed replicas vs the --pd split; not a default)")
     target.add_argument("--pd", type=_pd_split, default=None, metavar="P:D",
                         help="with --axes pd: P prefill + D decode replicas against P + D mixed ones")
+    target.add_argument("--pd-cpus", type=_pd_cpus, default=None, metavar="PCPUS:DCPUS",
+                        help="with --axes pd: pin the split's prefill replicas to PCPUS and its decode replicas "
+                             "to DCPUS (Linux CPU lists, e.g. 0:1 or 0-3:4-7; cluster.pd.<role>_cpus)")
     target.add_argument("--interval", type=int, default=128, help="retention interval (tokens) for --compare")
     size = p.add_argument_group("workload size")
     size.add_argument("--num-prompts", type=int, default=d.num_prompts, help="resend: distinct prompts")
@@ -99,6 +102,21 @@ def _pd_split(value: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _pd_cpus(value: str) -> tuple[str, str]:
+    from workers.cpu_affinity import CpuListError, parse_cpu_list
+
+    parts = value.split(":")
+    try:
+        if len(parts) != 2:
+            raise CpuListError(value)
+        for part in parts:
+            parse_cpu_list(part)
+    except CpuListError:
+        raise argparse.ArgumentTypeError(
+            f"PCPUS:DCPUS (two Linux CPU lists, e.g. 0:1 or 0-3:4-7), got {value!r}") from None
+    return parts[0], parts[1]
+
+
 def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
@@ -143,7 +161,8 @@ def _run(args: argparse.Namespace, configs: list[WorkloadConfig], out: Path) -> 
         return [run_workload(args.url, c, api_key=args.api_key, variant="server", show_progress=show)
                 for c in configs]
     if args.compare:
-        variants = make_variants(args.config, tuple(args.overrides), tuple(args.axes), args.interval, args.pd)
+        variants = make_variants(args.config, tuple(args.overrides), tuple(args.axes), args.interval, args.pd,
+                                 args.pd_cpus)
         print("variants: " + ", ".join(v.name for v in variants), file=sys.stderr)
         return run_compare(args.config, variants, configs, log_dir=out, show_progress=show)
     variant = make_variants(args.config, tuple(args.overrides), ())[0]

@@ -47,18 +47,22 @@ def _retention_override(value: str, interval: int) -> tuple[str, str]:
     return value, f"engine.retention={value}"
 
 
-def pd_overrides(pd: tuple[int, int]) -> tuple[str, ...]:
-    """`--set` values for a fixed count of P prefill + D decode replicas."""
+def pd_overrides(pd: tuple[int, int], cpus: tuple[str, str] | None = None) -> tuple[str, ...]:
+    """`--set` values for a fixed count of P prefill + D decode replicas (`cpus`: each role's
+    CPU list, `cluster.pd.prefill_cpus` / `decode_cpus`)."""
     num_prefill, num_decode = pd
     n = num_prefill + num_decode
+    pinned = () if cpus is None else (f"cluster.pd.prefill_cpus='{cpus[0]}'", f"cluster.pd.decode_cpus='{cpus[1]}'")
     return (f"cluster.num_replicas={n}", f"cluster.min_replicas={n}", f"cluster.max_replicas={n}",
-            f"cluster.pd.num_prefill={num_prefill}", f"cluster.pd.num_decode={num_decode}")
+            f"cluster.pd.num_prefill={num_prefill}", f"cluster.pd.num_decode={num_decode}", *pinned)
 
 
 def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes: tuple[str, ...] = tuple(AXES),
-                  interval: int = 128, pd: tuple[int, int] | None = None) -> list[Variant]:
+                  interval: int = 128, pd: tuple[int, int] | None = None,
+                  pd_cpus: tuple[str, str] | None = None) -> list[Variant]:
     """The baseline first, then one variant per other value on each of `axes` (`pd`: the `pd`
-    split, on the baseline's other settings, against the baseline's P + D mixed replicas)."""
+    split, on the baseline's other settings, against the baseline's P + D mixed replicas;
+    `pd_cpus`: the split's prefill and decode CPU lists, its replicas pinned to them)."""
     from cluster.config import load_config
 
     unknown = sorted(set(axes) - {*AXES, PD_AXIS})
@@ -89,7 +93,8 @@ def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes
 
     variants = [variant(base)]
     if PD_AXIS in axes:
-        variants.append(Variant(f"{variants[0].name}/pd{pd[0]}:{pd[1]}", (*variants[0].overrides, *pd_overrides(pd))))
+        name = f"{variants[0].name}/pd{pd[0]}:{pd[1]}" + ("" if pd_cpus is None else f"@{pd_cpus[0]}:{pd_cpus[1]}")
+        variants.append(Variant(name, (*variants[0].overrides, *pd_overrides(pd, pd_cpus))))
     for axis in (a for a in axes if a != PD_AXIS):
         for value in AXES[axis][1]:
             v = variant({**base, axis: value})

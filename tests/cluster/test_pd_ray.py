@@ -4,6 +4,8 @@ pair channel, and decodes on the decode replica; outputs equal one in-process en
 token, nothing is streamed twice, the decoder computes no prompt token, and a corrupted hand-off
 finishes on the prefill replica with the same output."""
 
+import os
+
 import pytest
 
 from bench.fault_doubles import HandoffCorruptingReplica
@@ -39,8 +41,9 @@ def pd_cluster(request, ray_session, tiny_dir):
     from cluster.frontdoor.backend import ClusterBackend
 
     k = request.param
-    backend = ClusterBackend(tiny_dir, _config(k), ClusterConfig(name=None, num_replicas=2,
-                                                                 pd=PDConfig(num_prefill=1, num_decode=1)),
+    cpus = sorted(os.sched_getaffinity(0))  # prefill on the first, decode on the last (one CPU: both there)
+    pd = PDConfig(num_prefill=1, num_decode=1, prefill_cpus=str(cpus[0]), decode_cpus=str(cpus[-1]))
+    backend = ClusterBackend(tiny_dir, _config(k), ClusterConfig(name=None, num_replicas=2, pd=pd),
                              replica_cls=HandoffCorruptingReplica)
     roles = {rep.role: r for r, rep in backend.replicas.replicas.items()}
     yield k, backend, roles["prefill"], roles["decode"]
@@ -119,3 +122,14 @@ def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_sess
     assert [t for o in outs for t in o.new_token_ids] == list(expect)
     assert backend.handoff_counts["handoffs_kept"] == before + 1
     assert ray_session.get(backend.controller.stats.remote())["handoffs_kept"] == before + 1  # and the controller
+
+
+def test_each_role_runs_on_its_cpus(pd_cluster):
+    # catches: roles not pinned (cluster.pd.<role>_cpus ignored), only the replica's main thread
+    # pinned (the engine loop is another thread), the roles' lists swapped
+    k, backend, prefill, decode = pd_cluster
+    cpus = sorted(os.sched_getaffinity(0))
+    for replica, cpu in ((prefill, cpus[0]), (decode, cpus[-1])):
+        pid = backend.replicas.get(replica).info.pid
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1 and {tuple(os.sched_getaffinity(int(t))) for t in threads} == {(cpu,)}

@@ -15,6 +15,7 @@ layers all-reduce inside the forward, so all ranks hold the same full hidden sta
     model.forward_counts_by_rank() --->     FORWARD_COUNTS  (an all-reduce: each rank's ForwardCounts)
     caches.read_rows(kind, ids)    --->     GATHER_ROWS  [kind, ids...]   (tp_pages.py: a hand-off's pages)
     caches.write_rows(kind, ids, r) --->    SCATTER_ROWS [kind, ids...]
+    model.pin_cpus(cpus)           --->     PIN_CPUS     [cpus...]   (workers/cpu_affinity.py)
     model.close()                  --->     STOP
     model.compute_logits(h)                 (rank 0 only: it alone holds lm_head)
 
@@ -53,6 +54,7 @@ class TPCommand(enum.IntEnum):
     COPY_STATES = 8
     GATHER_ROWS = 9
     SCATTER_ROWS = 10
+    PIN_CPUS = 11
 
 
 def encode_batch(batch: ForwardBatch) -> list[int]:
@@ -273,6 +275,10 @@ class TPModel:
     def state_bytes_per_slot(self) -> int:
         return self.shard.state_bytes_per_slot()
 
+    def pin_cpus(self, cpus: tuple[int, ...]) -> None:
+        """Pin ranks 1..n-1's processes to `cpus` (rank 0 is the caller's to pin)."""
+        self.send(TPCommand.PIN_CPUS, [int(c) for c in cpus])
+
     def close(self) -> None:
         """Stop the other ranks and release the group (idempotent)."""
         if self.closed:
@@ -319,6 +325,10 @@ def serve_tp_commands(shard: HybridForCausalLM, group: TPGroup) -> int:
                 gather_rows(caches, group, KINDS[ints[0]], ints[1:])
             elif kind is TPCommand.SCATTER_ROWS:
                 scatter_rows(caches, group, KINDS[ints[0]], ints[1:])
+            elif kind is TPCommand.PIN_CPUS:
+                from workers.cpu_affinity import pin_this_process
+
+                pin_this_process(tuple(ints))
             elif kind is TPCommand.COPY_DRAFT_PAGE:
                 layer, which, src, dst = ints
                 pool = caches.draft_kv[layer][which]

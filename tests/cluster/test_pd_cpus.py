@@ -1,0 +1,87 @@
+"""Pinning P/D replicas to CPUs (`cluster.pd.prefill_cpus` / `decode_cpus`, `workers/cpu_affinity.py`):
+the CPU-list syntax, the config's errors, pinning every thread of a process (a spawned one here),
+the load test's flag; the Ray path is tests/cluster/test_pd_ray.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+
+from cluster.config import ConfigError, load_config
+from cluster.loadtest.__main__ import _parser as build_parser
+from cluster.loadtest.compare import make_variants
+from workers.cpu_affinity import CpuListError, parse_cpu_list, pin_this_process
+
+
+def test_cpu_lists_parse_as_linux_writes_them():
+    assert parse_cpu_list("0") == (0,) and parse_cpu_list(3) == (3,)
+    assert parse_cpu_list("0-3,8, 5") == (0, 1, 2, 3, 5, 8)
+    for bad in ("", "a", "3-1", "-1", "1,,2", "0-"):
+        with pytest.raises(CpuListError, match="not a CPU list"):
+            parse_cpu_list(bad)
+
+
+def _load(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def test_pd_cpus_in_the_config(tmp_path):
+    # catches: a CPU list accepted unparsed (the replica would fail at start), pinning keys taken
+    # without pd (nothing to pin them to), a plain int refused (YAML reads `0` as one)
+    pd = "cluster:\n  num_replicas: 2\n  pd:\n    num_prefill: 1\n    num_decode: 1\n"
+    config = _load(tmp_path, pd + "    prefill_cpus: 0\n    decode_cpus: '1-2'\n").cluster.pd
+    assert (config.cpus("prefill"), config.cpus("decode"), config.cpus("mixed")) == ((0,), (1, 2), None)
+    assert _load(tmp_path, pd).cluster.pd.cpus("decode") is None
+    with pytest.raises(ConfigError, match="cluster.pd: decode_cpus: not a CPU list: '1-x'"):
+        _load(tmp_path, pd + "    decode_cpus: '1-x'\n")
+    with pytest.raises(ConfigError, match="prefill_cpus=0 needs num_prefill and num_decode"):
+        _load(tmp_path, "cluster:\n  pd:\n    prefill_cpus: '0'\n")
+
+
+def _child(cpus, out) -> None:
+    started = threading.Event()
+    thread = threading.Thread(target=started.wait, daemon=True)  # a thread that exists before the pin
+    thread.start()
+    try:
+        pinned = pin_this_process(cpus)
+        tasks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+        out.put(("ok", pinned, sorted({tuple(sorted(v)) for v in tasks.values()}), len(tasks)))
+    except CpuListError as exc:
+        out.put(("error", str(exc)))
+    started.set()
+
+
+def _pin_in_child(cpus):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(cpus, out))
+    proc.start()
+    got = out.get(timeout=60)
+    proc.join(timeout=30)
+    return got
+
+
+def test_every_thread_of_the_process_is_pinned():
+    # catches: only the main thread pinned (Linux affinity is per thread: the engine loop, a thread,
+    # would keep running anywhere), and CPUs the host does not have accepted silently
+    cpu = min(os.sched_getaffinity(0))
+    status, pinned, sets, num_threads = _pin_in_child((cpu,))
+    assert status == "ok" and pinned == (cpu,) and num_threads >= 2 and sets == [(cpu,)]
+    status, message = _pin_in_child((4096,))
+    assert status == "error" and "4096" in message
+
+
+def test_the_load_test_pins_only_the_split():
+    # catches: the flag's lists landing on the mixed baseline too (pd keys without pd: refused)
+    args = build_parser().parse_args(["interference", "--compare", "--axes", "pd", "--pd", "1:1", "--pd-cpus", "0:1"])
+    assert args.pd_cpus == ("0", "1")
+    base, split = make_variants(args.config, (), ("pd",), pd=args.pd, pd_cpus=args.pd_cpus)
+    assert not any("cpus" in o for o in base.overrides)
+    assert "cluster.pd.prefill_cpus='0'" in split.overrides and split.name.endswith("pd1:1@0:1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["interference", "--pd-cpus", "0-x:1"])
