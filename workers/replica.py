@@ -325,11 +325,22 @@ class TransferMixin:
         return channels[name]
 
     @ray.method(concurrency_group="control")
-    def drop_channel(self, peer_id: str) -> None:
-        """Forget channels with `peer_id` (after a failed transfer or the peer's death)."""
+    def channel_names(self) -> list[str]:
+        """The pair channels open here ("src->dst#gen" for prefix pages, "#h<gen>" for hand-offs)."""
+        return sorted(self._transfer_state())
+
+    @ray.method(concurrency_group="control")
+    def drop_channel(self, peer_id: str, name: str | None = None) -> None:
+        """Forget channels with `peer_id` (after a failed transfer or the peer's death); `name`:
+        that channel only, closed (a failed hand-off's: the pair's transfer channel stays)."""
         channels = self._transfer_state()
-        for name in [n for n in channels if peer_id in n.split("#")[0].split("->")]:
-            channels.pop(name, None)
+        if name is not None:
+            channel = channels.pop(name, None)
+            if channel is not None:
+                channel.close()
+            return
+        for key in [n for n in channels if peer_id in n.split("#")[0].split("->")]:
+            channels.pop(key, None)
 
     @ray.method(concurrency_group="transfer")
     def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int,

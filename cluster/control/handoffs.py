@@ -3,8 +3,8 @@
 started together over their pair channel ("src->dst#h<gen>", one hand-off per ordered pair at a
 time). The source decides the outcome: it keeps the request on any failure (`hand_off_or_keep`),
 so a failed hand-off loses nothing; the pair's next hand-off then opens a fresh channel (a new
-generation, `pair_channels.py`). The replicas are not told to drop the old one: `drop_channel`
-forgets every channel with the peer, prefix transfers' too.
+generation, `pair_channels.py`), and both replicas close the old one (`drop_channel` by name: the
+pair's prefix-transfer channel stays).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Handoffs:
                 sent = ray.get(s.actor.send_handoff.remote(msg.request_id, dst if received is not None else None, gen),
                                timeout=self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - the source died or could keep it nowhere
-                self.channels.renew(src, dst)
+                self._renew(src, dst, gen)
                 return self._failed(msg, f"{type(exc).__name__}: {exc}")
             if received is not None:
                 try:
@@ -55,7 +55,7 @@ class Handoffs:
                 except Exception as exc:  # noqa: BLE001 - the source kept it (sent.delivered is False)
                     log.info("hand-off %s -> %s of %s refused by the receiver: %s", src, dst, msg.request_id, exc)
             if not sent.delivered:
-                self.channels.renew(src, dst)
+                self._renew(src, dst, gen)
                 self.counters["handoffs_kept"] += 1
                 log.warning("hand-off %s -> %s of %s failed (%s): %s decodes it", src, dst, msg.request_id,
                             sent.reason, src)
@@ -64,6 +64,19 @@ class Handoffs:
             self.counters["handoff_bytes"] += sent.num_bytes
             self.counters["handoff_skipped_bytes"] += sent.num_skipped_bytes
             return HandoffResultMsg(msg.request_id, dst, True, sent.num_bytes, num_skipped_bytes=sent.num_skipped_bytes)
+
+    def _renew(self, src: str, dst: str, gen: int) -> None:
+        """The next hand-off src -> dst opens a fresh channel; both ends close this one (no wait:
+        a dead end needs no closing)."""
+        self.channels.renew(src, dst)
+        name = f"{src}->{dst}#h{gen}"
+        for here, peer in ((src, dst), (dst, src)):
+            rep = self.replicas.get(here)
+            if rep is not None:
+                try:
+                    rep.actor.drop_channel.remote(peer, name)
+                except Exception:  # noqa: BLE001 - gone meanwhile
+                    pass
 
     def _failed(self, msg: HandoffMsg, reason: str) -> HandoffResultMsg:
         self.counters["handoff_failures"] += 1

@@ -5,6 +5,7 @@ token, nothing is streamed twice, the decoder computes no prompt token, and a co
 finishes on the prefill replica with the same output."""
 
 import os
+import time
 
 import pytest
 
@@ -122,6 +123,20 @@ def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_sess
     assert [t for o in outs for t in o.new_token_ids] == list(expect)
     assert backend.handoff_counts["handoffs_kept"] == before + 1
     assert ray_session.get(backend.controller.stats.remote())["handoffs_kept"] == before + 1  # and the controller
+    # the failed channel is closed on both ends (a leak otherwise: one per failure), and the next
+    # hand-off opens a fresh one and is delivered
+    old = f"{prefill}->{decode}#h{before}"
+    for replica in (prefill, decode):
+        actor = backend.replicas.get(replica).actor
+        deadline = time.monotonic() + 30
+        while old in ray_session.get(actor.channel_names.remote()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert old not in ray_session.get(actor.channel_names.remote())
+    delivered = backend.handoff_counts["handoffs"]
+    _, served = backend.generate(make_prompt(60, 10), PARAMS)
+    assert served == decode and backend.handoff_counts["handoffs"] == delivered + 1
+    fresh = ray_session.get(backend.replicas.get(decode).actor.channel_names.remote())
+    assert f"{prefill}->{decode}#h{before + 1}" in fresh
 
 
 def test_each_role_runs_on_its_cpus(pd_cluster):
