@@ -50,6 +50,7 @@ class TransferMsg:
     src_replica: str
     dst_replica: str
     num_tokens: int
+    kv_only: bool = False  # the attention blocks only: a prefilling prompt's pages ahead of its hand-off
 
 
 @dataclass(frozen=True)

@@ -344,10 +344,11 @@ class TransferMixin:
 
     @ray.method(concurrency_group="transfer")
     def send_prefix(self, prompt_token_ids: list[int], cache_salt: str | None, num_tokens: int,
-                    peer_id: str, generation: int = 0) -> tuple[int, float]:
+                    peer_id: str, generation: int = 0, kv_only: bool = False) -> tuple[int, float]:
         """(payload bytes, seconds streaming them): the channel's set-up is not counted, so the
         seconds measure the link (`cache_service.link_costs`). `generation`: a new one after a
-        failed transfer, so the new pair never meets the old one's keys left in the store."""
+        failed transfer, so the new pair never meets the old one's keys left in the store.
+        `kv_only`: the attention blocks only (a prompt's pages sent ahead of its hand-off)."""
         from cache_service.block_hash import RequestBlockHashes
         from workers.transfer import send_prefix
 
@@ -357,7 +358,7 @@ class TransferMixin:
         channel = self._channel(f"{self.replica_id}->{peer_id}#{generation}", 0, None)
         t0 = time.perf_counter()
         num_bytes = send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
-                                corrupt=self.corrupt_this_send())
+                                corrupt=self.corrupt_this_send(), kv_only=kv_only)
         return num_bytes, time.perf_counter() - t0
 
     def corrupt_this_send(self) -> bool:

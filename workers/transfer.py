@@ -211,13 +211,17 @@ def _chunk_nbytes(cache: EngineCacheManager, plan) -> list[int]:
     return [(b - a) * tensors[g][ti][0].numel() * tensors[g][ti].element_size() for g, ti, a, b in plan]
 
 
-def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int) -> list[list[BlockHash]]:
+def _wanted_keys(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int,
+                 kv_only: bool = False) -> list[list[BlockHash]]:
     """Per group, the keys of the pages serving a `num_tokens` hit (a dropping group's, under EAGLE
-    drop, reach past it: the pages that prove the successor token)."""
+    drop, reach past it: the pages that prove the successor token). `kv_only`: the attention
+    groups' blocks of the first `num_tokens` tokens only, no Mamba page (a prompt still
+    prefilling, sent ahead of its hand-off: `handoff_import` shares KV without a state)."""
     size = cache.block_size
-    reach = [cache.coordinator.serving_extent(g, num_tokens) for g in range(len(cache.pools))]
+    reach = [num_tokens if kv_only else cache.coordinator.serving_extent(g, num_tokens)
+             for g in range(len(cache.pools))]
     return [
-        [hashes.prefix_hash(num_tokens)] if cache.layout.groups[g].kind == "mamba"
+        ([] if kv_only else [hashes.prefix_hash(num_tokens)]) if cache.layout.groups[g].kind == "mamba"
         else [hashes.prefix_hash(e) for e in range(size, reach[g] + 1, size)]
         for g in range(len(cache.pools))
     ]
@@ -240,8 +244,9 @@ def pin_pages(cache: EngineCacheManager, wanted: list[list[BlockHash]], num_toke
 
 def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, channel,
                 on_loop=ON_THIS_THREAD, chunk_bytes: int = DEFAULT_CHUNK_BYTES, tp_size: int = 1, tp_rank: int = 0,
-                corrupt: bool = False) -> int:
-    """Stream the pages serving a `num_tokens` hit to the channel's peer. Returns payload bytes.
+                corrupt: bool = False, kv_only: bool = False) -> int:
+    """Stream the pages serving a `num_tokens` hit to the channel's peer (`kv_only`: its attention
+    blocks only, `_wanted_keys`). Returns payload bytes.
 
     `on_loop(fn)` runs `fn()` where the engine may be touched (an `EngineRunner.call`). `corrupt`
     (fault injection) flips one byte of the first chunk on the wire, after it was checksummed."""
@@ -249,7 +254,7 @@ def send_prefix(cache: EngineCacheManager, hashes: RequestBlockHashes, num_token
         raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
 
     def pin():
-        wanted = _wanted_keys(cache, hashes, num_tokens)
+        wanted = _wanted_keys(cache, hashes, num_tokens, kv_only)
         return wanted, pin_pages(cache, wanted, num_tokens)
 
     try:

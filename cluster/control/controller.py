@@ -279,7 +279,7 @@ class ClusterController:
     # ---- transfers and warming ------------------------------------------------------------------
     def transfer(self, msg: TransferMsg) -> TransferResult:
         return self.transfers.move(list(msg.prompt_token_ids), msg.cache_salt, msg.src_replica,
-                                   msg.dst_replica, msg.num_tokens)
+                                   msg.dst_replica, msg.num_tokens, msg.kv_only)
 
     def hand_off(self, msg: HandoffMsg) -> HandoffResultMsg:
         """Hand a request held after its first token from its prefill replica to a decode replica

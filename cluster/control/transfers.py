@@ -35,9 +35,10 @@ class Transfers:
         return self.move(prompt_token_ids, cache_salt, src, dst, num_tokens).ok
 
     def move(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
-             num_tokens: int) -> TransferResult:
+             num_tokens: int, kv_only: bool = False) -> TransferResult:
         """Move the pages serving a `num_tokens` hit src -> dst, with the payload bytes sent; on any
-        failure log why and answer not ok (the request then recomputes)."""
+        failure log why and answer not ok (the request then recomputes). `kv_only`: the attention
+        blocks only (`workers.transfer._wanted_keys`: a prompt's pages sent ahead of its hand-off)."""
         try:
             with self.channels.lock(src, dst):
                 s, d = self.replicas.get(src), self.replicas.get(dst)
@@ -45,7 +46,7 @@ class Transfers:
                     raise RuntimeError(f"{src if s is None else dst} is gone")
                 endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
                 gen = self.channels.generation(src, dst)  # a fresh pair after a failure
-                sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen)
+                sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen, kv_only)
                 received = d.actor.recv_prefix.remote(src, endpoint, gen)
                 (num_bytes, seconds), _ = ray.get([sent, received], timeout=self.timeout_s)
             self.counters["transfers"] += 1

@@ -250,8 +250,17 @@ class ClusterBackend:
         return self.handoffs.counts
 
     def hand_off(self, job: Job, src: str) -> str:
-        """`request_streams.FrontDoor.hand_off` (`decode_handoffs.DecodeHandoffs`)."""
-        return self.handoffs.hand_off(self.controller, job.msg, src, self.release)
+        """`request_streams.FrontDoor.hand_off` (`decode_handoffs.DecodeHandoffs`, as the three below)."""
+        return self.handoffs.hand_off(self.controller, job, src, self.release)
+
+    def reserve_decoder(self, job: Job) -> None:
+        self.handoffs.reserve(job)
+
+    def drop_decoder(self, job: Job) -> None:
+        self.handoffs.drop(job, self.release)
+
+    def prefill_progress(self, job: Job, src: str, position: int) -> None:
+        self.handoffs.progress(self.controller, job, src, position, self.limits["alignment"])
 
     def place(self, job: Job, exclude: tuple[str, ...]) -> str:
         """Route, reserve this front door's count on the target, move pages if planned; the target.

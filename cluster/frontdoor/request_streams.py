@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +56,9 @@ class Job:
     replica_id: str | None = None  # the replica of the current attempt (its decode replica after a hand-off)
     served_by: str | None = None  # the replica that finished it
     prefilled_by: str | None = None  # with `cluster.pd`: the replica that prefilled it
+    decoder: str | None = None  # with `cluster.pd`: the decode replica reserved for it (`decode_handoffs`)
+    early_sent: int = 0  # prompt tokens whose pages went to the decoder while prefilling
+    early_ref: object = None  # the controller's transfer of them, while in flight
 
 
 class FrontDoor(Protocol):
@@ -79,6 +84,15 @@ class FrontDoor(Protocol):
         """Hand the request `src` holds after its first token to a decode replica; the replica that
         holds it now (its in-flight count booked unless it is `src`). Raises `StreamBrokenError`
         when `src` could not answer (the request is retried from the start)."""
+
+    def reserve_decoder(self, job: Job) -> None:
+        """With `cluster.pd`, as the prefill starts: the decode replica for `job` (`job.decoder`)."""
+
+    def drop_decoder(self, job: Job) -> None:
+        """The prefill leg ended without a hand-off: give `job.decoder` back."""
+
+    def prefill_progress(self, job: Job, src: str, position: int) -> None:
+        """`src` has computed `position` prompt tokens of `job`: send its decoder what is ready."""
 
     def finished(self, job: Job, output: RequestOutput) -> None:
         """Called before the final output goes out (the front door remembers the prompt as hot, and
@@ -127,8 +141,17 @@ def stream_from(door: FrontDoor, job: Job, target: str, delivered: list[int]) ->
     if rep is None:  # found dead (by another request or a health check) since it was chosen
         raise StreamBrokenError(f"replica {target} is gone")
     msg = dataclasses.replace(job.msg, hand_off=True) if door.disaggregated else job.msg
-    done, produced = _relay(door, job, target, rep.actor.generate_stream.remote(msg), delivered, 0)
+    progress = None
+    if msg.hand_off:
+        door.reserve_decoder(job)
+        progress = functools.partial(door.prefill_progress, job, target)
+    try:
+        done, produced = _relay(door, job, target, rep.actor.generate_stream.remote(msg), delivered, 0, progress)
+    except BaseException:
+        door.drop_decoder(job)
+        raise
     if done or not msg.hand_off or job.cancelled:
+        door.drop_decoder(job)
         return _ended(job, target, done)
     job.prefilled_by = target
     holder = door.hand_off(job, target)
@@ -155,10 +178,11 @@ def _ended(job: Job, replica_id: str, done: bool) -> bool:
 
 
 def _relay(door: FrontDoor, job: Job, replica_id: str, refs, delivered: list[int],
-           produced: int) -> tuple[bool, int]:
+           produced: int, progress: Callable[[int], None] | None = None) -> tuple[bool, int]:
     """Relay a replica's merged outputs (`refs`) into the job's stream, `produced` tokens of this
     attempt already out; (finished, tokens produced). Tokens the caller already has are checked
-    equal and not sent again."""
+    equal and not sent again. `progress(position)`: told the prompt tokens computed after each
+    prefill chunk (an output with no token)."""
     for ref in refs:
         delta: RequestOutput = ray.get(ref)
         new = delta.new_token_ids
@@ -168,6 +192,8 @@ def _relay(door: FrontDoor, job: Job, replica_id: str, refs, delivered: list[int
         fresh = new[overlap:]
         produced += len(new)
         if not fresh and not delta.finished:
+            if progress is not None and not new:  # a prefill chunk
+                progress(delta.num_cached_tokens + delta.num_computed_prompt_tokens)
             continue  # a prefill chunk, or tokens the caller already has
         delivered.extend(fresh)
         logprobs = None if delta.logprobs is None else tuple(delta.logprobs[len(delta.logprobs) - len(fresh):])

@@ -62,7 +62,8 @@ def test_load_outweighs_holding_in_the_routers_units():
     placement that never looks at load."""
     for load, want in ((12, "holder"), (13, "cold")):
         service = _service("cold", "holder")
-        assert service.ingest(_kv_only("holder", 16, load=LoadReportMsg(num_queued_tokens=load, num_free_blocks=100))).accepted
+        report = LoadReportMsg(num_queued_tokens=load, num_free_blocks=100)
+        assert service.ingest(_kv_only("holder", 16, load=report)).accepted
         assert service.route(_decode()).replica_id == want
 
 

@@ -67,7 +67,8 @@ def test_bad_pd_is_one_clear_error(tmp_path, yaml_text, message):
 def test_pd_takes_tensor_parallel_replicas(tmp_path):
     # catches: the old refusal left in (a TP replica's hand-off moves every rank's shard now:
     # tests/cluster/test_tp_ray.py serves one)
-    config = _load(tmp_path, "cluster:\n  num_replicas: 2\n  tp_size: 2\n  pd:\n    num_prefill: 1\n    num_decode: 1\n")
+    yaml_text = "cluster:\n  num_replicas: 2\n  tp_size: 2\n  pd:\n    num_prefill: 1\n    num_decode: 1\n"
+    config = _load(tmp_path, yaml_text)
     assert config.cluster.tp_size == 2 and config.cluster.pd.enabled
 
 

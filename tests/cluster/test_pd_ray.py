@@ -72,7 +72,7 @@ def test_pd_outputs_equal_one_engine_and_the_decoder_computes_no_prompt(pd_clust
         assert final.num_cached_tokens == 0 and final.finish_reason == "length"
         assert _work(ray_session, backend, decode) == before == 0
     assert _work(ray_session, backend, prefill) == sum(len(p) for p in PROMPTS)
-    assert backend.handoff_counts == {"handoffs": len(PROMPTS), "handoffs_kept": 0}
+    assert (backend.handoff_counts["handoffs"], backend.handoff_counts["handoffs_kept"]) == (len(PROMPTS), 0)
     metrics = Metrics()  # /metrics: the controller's hand-off counts
     metrics.attach_cluster_counters(backend.status.controller_counters)
     assert metrics.registry.get_sample_value("hybridserve_handoffs_total") == len(PROMPTS)
@@ -148,3 +148,34 @@ def test_each_role_runs_on_its_cpus(pd_cluster):
         pid = backend.replicas.get(replica).info.pid
         threads = os.listdir(f"/proc/{pid}/task")
         assert len(threads) > 1 and {tuple(os.sched_getaffinity(int(t))) for t in threads} == {(cpu,)}
+
+
+def test_prompt_pages_go_to_the_decoder_while_the_prompt_prefills(ray_session, tiny_dir):
+    """A 320-token prompt prefilled in chunks (`max_num_batched_tokens` 80) on a fresh P/D
+    cluster: the decoder is chosen as the prefill starts and each finished chunk's attention blocks
+    go to it while the next computes (kv-only transfers), so the hand-off itself skips them. Catches:
+    no early sends (the count), early pages the hand-off does not use (skipped bytes 0: the
+    decoder never saw this prompt otherwise), pages sent twice (sent + skipped == the package),
+    and early pages that change the output (compared with one engine prefilling in the same chunks)."""
+    from cluster.config import ClusterConfig, PDConfig
+    from cluster.frontdoor.backend import ClusterBackend
+
+    config = _config(3).replace(max_num_batched_tokens=80)
+    prompt = make_prompt(320, 11)
+    engine = LLMEngine.from_checkpoint(tiny_dir, config)
+    (want,) = engine.generate([prompt], PARAMS)
+    backend = ClusterBackend(tiny_dir, config, ClusterConfig(name=None, num_replicas=2,
+                                                             pd=PDConfig(num_prefill=1, num_decode=1)))
+    try:
+        roles = {rep.role: r for r, rep in backend.replicas.replicas.items()}
+        outs = list(backend.submit(prompt, PARAMS))
+        assert outs[-1].finished and outs[-1].token_ids == want.token_ids
+        assert [t for o in outs for t in o.new_token_ids] == list(want.token_ids)
+        assert backend.handoff_counts["handoffs"] == 1 and backend.handoff_counts["early_page_sends"] >= 1
+        stats = ray_session.get(backend.controller.stats.remote())
+        assert stats["transfers"] >= 1 and stats["handoff_skipped_bytes"] > 0
+        package = _package(tiny_dir, 3, prompt)
+        assert stats["handoff_bytes"] + stats["handoff_skipped_bytes"] == package.nbytes
+        assert _work(ray_session, backend, roles["decode"]) == 0
+    finally:
+        backend.shutdown()

@@ -96,6 +96,7 @@ def test_tp2_prefill_hands_off_to_a_tp2_decoder(ray_session):
             assert [t for o in outs for t in o.new_token_ids] == list(want.token_ids)
         work = ray_session.get(decoder.work_counts.remote())
         assert work.num_computed_prompt_tokens == 0 and [r.num_prompt_tokens for r in work.ranks] == [0, 0]
-        assert backend.handoff_counts == {"handoffs": len(prompts), "handoffs_kept": 0}
+        # no early page sends: a TP replica's prefix pages do not move (the hand-off moves every rank's)
+        assert backend.handoff_counts == {"handoffs": len(prompts), "handoffs_kept": 0, "early_page_sends": 0}
     finally:
         backend.shutdown()
