@@ -72,6 +72,18 @@ def receiving(engine, channel) -> tuple[threading.Thread, dict]:
     return thread, got
 
 
+def hand_off_over_gloo(a, b, rid: str):
+    """Export `rid` from A and send it to B over a fresh gloo pair: (A's pages of it before the
+    export, the package, what the sender got back, what B's receiving thread got)."""
+    pages = request_pages(a, rid)
+    handoff = a.export_request(rid)
+    end_a, end_b = channel_pair()
+    thread, got = receiving(b, end_b)
+    sent = send_handoff(end_a, handoff, chunk_bytes=CHUNK)
+    thread.join(timeout=30)
+    return pages, handoff, sent, got
+
+
 def one_engine(model, k, eagle, params=GREEDY, cache={}):  # noqa: B006 - memo across tests of this module
     """The reference: the request on one engine (its final output)."""
     if (k, eagle, params) not in cache:
@@ -117,12 +129,7 @@ def test_a_hand_off_over_gloo_decodes_as_on_one_engine(tiny_model, k, eagle, par
     ref = one_engine(tiny_model, k, eagle, params)
     a, b = engine_for(tiny_model, k, eagle), engine_for(tiny_model, k, eagle)
     rid = prefill(a, PROMPT, params=params)
-    pages = request_pages(a, rid)
-    handoff = a.export_request(rid)
-    end_a, end_b = channel_pair()
-    thread, got = receiving(b, end_b)
-    sent = send_handoff(end_a, handoff, chunk_bytes=CHUNK)
-    thread.join(timeout=30)
+    pages, handoff, sent, got = hand_off_over_gloo(a, b, rid)
     assert "error" not in got and got["result"].num_bytes_written == handoff.nbytes  # B held nothing
     state = handoff.sampler_state
     assert (state is None) == (params is GREEDY)  # greedy: no generator
@@ -148,14 +155,8 @@ def test_a_decoder_holding_the_prefix_is_sent_only_the_rows_it_lacks(tiny_model,
     a, b = engine_for(tiny_model, k, eagle), engine_for(tiny_model, k, eagle)
     b.generate([PROMPT[:80] + make_prompt(40, 99)], SamplingParams(temperature=0.0, max_tokens=2))
     before = b.num_computed_prompt_tokens
-    rid = prefill(a, PROMPT)
-    pages = request_pages(a, rid)
-    handoff = a.export_request(rid)
-    end_a, end_b = channel_pair()
-    thread, got = receiving(b, end_b)
-    sent = send_handoff(end_a, handoff, chunk_bytes=CHUNK)
-    thread.join(timeout=30)
-    imported = got["result"]
+    pages, handoff, sent, got = hand_off_over_gloo(a, b, prefill(a, PROMPT))
+    rid, imported = handoff.meta.request_id, got["result"]
     assert imported.num_hit_tokens == 64
     # the rows B's hit holds: 4 target blocks, no Mamba row (the working state is always sent),
     # 4 draft blocks (lossless: 3, the block holding position 63 is sent again)
