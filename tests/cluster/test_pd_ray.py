@@ -137,6 +137,9 @@ def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_sess
     assert served == decode and backend.handoff_counts["handoffs"] == delivered + 1
     fresh = ray_session.get(backend.replicas.get(decode).actor.channel_names.remote())
     assert f"{prefill}->{decode}#h{before + 1}" in fresh
+    # every reservation given back: the decoder reserved at the prefill's start of the kept request
+    # (a leak would skew decode placement away from it for good), the prefill replica's counts too
+    assert {r: rep.num_inflight for r, rep in backend.replicas.replicas.items()} == {prefill: 0, decode: 0}
 
 
 def test_each_role_runs_on_its_cpus(pd_cluster):
@@ -177,5 +180,6 @@ def test_prompt_pages_go_to_the_decoder_while_the_prompt_prefills(ray_session, t
         package = _package(tiny_dir, 3, prompt)
         assert stats["handoff_bytes"] + stats["handoff_skipped_bytes"] == package.nbytes
         assert _work(ray_session, backend, roles["decode"]) == 0
+        assert all(rep.num_inflight == 0 for rep in backend.replicas.replicas.values())
     finally:
         backend.shutdown()
