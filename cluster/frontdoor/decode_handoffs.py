@@ -74,6 +74,7 @@ class DecodeHandoffs:
         """Choose the decoder as the prefill starts (`job.decoder`, its count reserved; None if
         there is none), so the prompt's pages can go to it while it prefills (`progress`)."""
         job.decoder = self.pick_decoder(job.msg)
+        job.early_sent, job.early_ref = 0, None  # a retry's decoder holds none of an earlier attempt's pages
 
     def drop(self, job: Job, release: Callable[[str], None]) -> None:
         """The prefill leg ended without a hand-off (finished, failed, cancelled): give the
