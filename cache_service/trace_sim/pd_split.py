@@ -8,9 +8,10 @@ prefill and which decode, what a hand-off moves, and where it goes.
                            replica already holds) x page bytes  +  sum of state page bytes
                    time  = bytes / transfer_bytes_per_s   (asynchronous: the prefill replica
                            goes on with its next prefill)
-    choice     the decode replica with the fewest streams (decoding or on their way), then the
-               longest attention match on the global index (pages it need not receive), then
-               the lowest index
+    choice     the serving path's placement (`cache_service.decode_placement`, the same function):
+               transfer_cost_per_token x (pages it lacks, in tokens: its attention match on the
+               global index) + load_cost_per_queued_token x its queued decode tokens (streams
+               decoding or on their way); every decoder has room (no memory model here)
     TTFT       the prefill's last step samples the first token, delivered with the stream from the
                decode replica once the hand-off lands (as vLLM's disaggregated proxy and Dynamo
                serve a client from the decode worker): TTFT = prefill end + hand-off time, and
@@ -31,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
+from cache_service.decode_placement import place_decoder
 from cache_service.global_index import GlobalIndex
+from cache_service.router import ReplicaHits, RouterConfig
 from cache_service.scorer import AllReplicaScorer
 from cache_service.trace_sim.config import SimLayout
 from cache_service.trace_sim.step_timeline import StepTimeline
@@ -76,15 +79,17 @@ def handoff_bytes(layout: SimLayout, num_tokens: int, num_held_tokens: int = 0) 
 
 
 class DecodePicker:
-    """Chooses the decode replica of each hand-off (the module doc's order)."""
+    """Chooses the decode replica of each hand-off (the module doc's choice)."""
 
     def __init__(self, scorer: AllReplicaScorer, index: GlobalIndex, replica_ids: Sequence[str],
-                 decode_positions: Sequence[int]) -> None:
+                 decode_positions: Sequence[int], router: RouterConfig | None = None) -> None:
         self.scorer = scorer
         self.index = index
+        self.router = router or RouterConfig()
         self.decode_positions = list(decode_positions)
+        self._ids = [replica_ids[i] for i in self.decode_positions]
         self._position = {replica_ids[i]: i for i in decode_positions}
-        self._mask = index.mask_of(replica_ids[i] for i in decode_positions)
+        self._mask = index.mask_of(self._ids)
 
     def pick(self, hashes: Sequence[BlockHash], num_tokens: int, timelines: Sequence[StepTimeline],
              at: float) -> tuple[int, int]:
@@ -92,6 +97,9 @@ class DecodePicker:
         for i in self.decode_positions:
             timelines[i].advance(at)
         scores = self.scorer.score(hashes, num_tokens, self.index.holders, self._mask)
-        match = {self._position[self.index.by_bit[b]]: v for b, v in scores.attention_tokens.items()}
-        best = min(self.decode_positions, key=lambda i: (timelines[i].num_streams, -match.get(i, 0), i))
-        return best, match.get(best, 0)
+        by_bit = self.index.by_bit
+        scored = ReplicaHits({by_bit[b]: v for b, v in scores.hit_tokens.items()},
+                             {by_bit[b]: v for b, v in scores.attention_tokens.items()}, True)
+        loads = {r: timelines[self._position[r]].queued_tokens(at) for r in self._ids}
+        decision = place_decoder(self.router, scored, num_tokens, 0, loads, {}, self._ids)
+        return self._position[decision.replica_id], decision.expected_hit_tokens

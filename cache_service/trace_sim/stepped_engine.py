@@ -75,7 +75,7 @@ class SteppedClusterSim(ClusterSim):
         self.picker = None
         if split is not None:
             self.picker = DecodePicker(AllReplicaScorer(self.coordinator), self.index, self.replica_ids,
-                                       range(num_routed, settings.num_replicas))
+                                       range(num_routed, settings.num_replicas), settings.router)
         self._flights: dict[int, _InFlight] = {}  # by timing id, until its prefill ends
         self._events: list[tuple[float, int, Callable[[], None]]] = []  # publications, by time
         self._event_seq = itertools.count()

@@ -105,8 +105,8 @@ def test_handoff_bytes_follow_the_page_model_with_the_draft_group():
 
 
 def test_the_decode_replica_with_fewer_streams_wins_then_the_one_holding_the_prefix():
-    """1 prefill + 2 decode replicas. B is handed to replica 1 (both idle: the lower index); A, still
-    decoding there when A's prefill ends, goes to replica 2. Later C extends A's prompt: both are
+    """1 prefill + 2 decode replicas. B is handed to replica 1 (both idle: the lower id); A, with
+    B's 199 tokens queued there when A's prefill ends, goes to replica 2. Later C extends A's prompt: both are
     idle, replica 2 published A's hand-off and holds 1,024 tokens of C's KV, so C goes there and
     moves 8 pages + the state, not 24 + the state. Catches: the decode replica chosen by index
     only, the receiver not publishing to the index, the hand-off ignoring what the receiver holds."""
@@ -116,6 +116,23 @@ def test_the_decode_replica_with_fewer_streams_wins_then_the_one_holding_the_pre
     assert (b.decode_replica, a.decode_replica) == (1, 2)
     assert c.decode_replica == 2
     assert c.handoff_bytes == 8 * 1000 + 4000 < handoff_bytes(LAYOUT, 1536, 0) == 24 * 1000 + 4000
+
+
+def test_the_decode_choice_is_the_serving_paths_pages_against_queued_tokens():
+    """1 prefill + 2 decode replicas; A (1,024 tokens, 300 outputs) decodes on replica 1, then C
+    extends A's prompt. Holding A's 1,024 tokens is worth 0.05 x 1,024 = 51.2 queued tokens
+    (`decode_placement`, the router's units): C's hand-off at 3.43 s finds A with about 60 tokens
+    left and goes to the idle replica 2 (28 pages' worth); at 3.61 s A has about 41 left and C goes
+    to replica 1 beside it, moving 12 kB instead of 28 kB. Catches: the old rule (fewest streams
+    first: replica 2 both times), a placement blind to load (replica 1 both times)."""
+    def place(arrival_s: float):
+        trace = [request(0, 0.0, [0, 1], 1024, 300), request(1, arrival_s, [0, 1, 2], 1536, 3)]
+        a, c = stepped(3, "1:2").run(trace)
+        assert a.decode_replica == 1 and a.finish_s > arrival_s + c.ttft_s  # A still decoding then
+        return c.decode_replica, c.handoff_bytes
+
+    assert place(2.9) == (2, handoff_bytes(LAYOUT, 1536, 0))
+    assert place(3.1) == (1, handoff_bytes(LAYOUT, 1536, 1024))
 
 
 def test_fast_forwarded_decode_steps_equal_one_by_one(monkeypatch):
