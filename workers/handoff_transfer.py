@@ -93,6 +93,15 @@ def _tensors(handoff: Handoff) -> list[torch.Tensor]:
     return [t for group in handoff.pages for t in group] + state
 
 
+def _by_group(items, groups: tuple[int, ...]) -> tuple[tuple, ...]:
+    """`items` (every page tensor's, in package order) cut into one tuple per group of `groups[g]`."""
+    out, start = [], 0
+    for n in groups:
+        out.append(tuple(items[start : start + n]))
+        start += n
+    return tuple(out)
+
+
 def _chunk_bounds(nbytes: list[int], chunk_bytes: int) -> list[tuple[int, int, int]]:
     """(tensor index, first byte, end byte) per chunk, in stream order."""
     return [(i, a, min(a + chunk_bytes, n)) for i, n in enumerate(nbytes) for a in range(0, n, chunk_bytes)]
@@ -151,11 +160,7 @@ class _Header:
 
     @property
     def shapes(self) -> PageShapes:
-        out, start = [], 0
-        for n in self.groups:
-            out.append(self.specs[start : start + n])
-            start += n
-        return tuple(out)
+        return _by_group(self.specs, self.groups)
 
 
 def _recv_header(channel) -> _Header:
@@ -207,12 +212,8 @@ def _recv_rows(channel, header: _Header, first_rows: tuple[int, ...], device,
             bad.append(k)
     if bad:
         raise HandoffStreamCorrupt(f"hand-off chunks {bad} of {len(bounds)} failed their checksum")
-    rows, start = [], 0
-    for n in header.groups:
-        rows.append(tuple(tensors[start : start + n]))
-        start += n
-    state = tensors[start].cpu() if header.sampler_state else None  # a generator state is a CPU tensor
-    return tuple(rows), state
+    state = tensors[-1].cpu() if header.sampler_state else None  # a generator state is a CPU tensor
+    return _by_group(tensors, header.groups), state
 
 
 def recv_handoff(channel, *, device: str | torch.device = "cpu",

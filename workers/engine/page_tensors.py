@@ -27,44 +27,53 @@ def page_tensors(cache, group: int, sidecar: bool) -> list[torch.Tensor]:
     return rows + [cache.sidecar] if kind == "full" and sidecar else rows
 
 
+def _model_tensors(cache, kind: str) -> list[torch.Tensor]:
+    """The page tensors the model's caches hold for a group kind: all of them at TP 1, rank 0's
+    shard (one of `tp_size` equal ones) otherwise."""
+    caches = cache.caches
+    return local_page_tensors(caches.local if _tp_size(cache) > 1 else caches, kind)
+
+
 def _tp_size(cache) -> int:
     return getattr(cache.caches, "tp_size", 1)
 
 
+def _sidecar(cache, group: int, sidecar: bool) -> torch.Tensor | None:
+    """The engine's sidecar when the group carries it (the full group, asked for): rank 0 keeps it
+    whole, so it travels after every rank's rows."""
+    return cache.sidecar if sidecar and cache.layout.groups[group].kind == "full" else None
+
+
+def _index(ids: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=like.device)
+
+
 def row_specs(cache, group: int, sidecar: bool) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape of one row) of each tensor `read_rows` returns for the group."""
-    kind = cache.layout.groups[group].kind
-    if _tp_size(cache) == 1:
-        return [(t.dtype, tuple(t.shape[1:])) for t in page_tensors(cache, group, sidecar)]
-    local = [(t.dtype, tuple(t.shape[1:])) for t in local_page_tensors(cache.caches.local, kind)]
-    extra = [(cache.sidecar.dtype, tuple(cache.sidecar.shape[1:]))] if kind == "full" and sidecar else []
-    return local * _tp_size(cache) + extra
+    side = _sidecar(cache, group, sidecar)
+    tensors = _model_tensors(cache, cache.layout.groups[group].kind) * _tp_size(cache)
+    return [(t.dtype, tuple(t.shape[1:])) for t in tensors + ([] if side is None else [side])]
 
 
 def read_rows(cache, group: int, ids: list[int], sidecar: bool) -> tuple[torch.Tensor, ...]:
     """Copies of pages `ids` of the group, one tensor per `row_specs` entry."""
-    kind = cache.layout.groups[group].kind
+    kind, side = cache.layout.groups[group].kind, _sidecar(cache, group, sidecar)
     if _tp_size(cache) == 1:
-        tensors = page_tensors(cache, group, sidecar)
-        index = torch.tensor(ids, dtype=torch.long, device=tensors[0].device)
-        return tuple(t.index_select(0, index) for t in tensors)
-    rows = cache.caches.read_rows(kind, ids)
-    if kind == "full" and sidecar:
-        rows.append(cache.sidecar.index_select(0, torch.tensor(ids, dtype=torch.long, device=cache.sidecar.device)))
-    return tuple(rows)
+        rows = [t.index_select(0, _index(ids, t)) for t in _model_tensors(cache, kind)]
+    else:
+        rows = cache.caches.read_rows(kind, ids)
+    return tuple(rows + ([] if side is None else [side.index_select(0, _index(ids, side))]))
 
 
 def write_rows(cache, group: int, ids: list[int], rows, sidecar: bool) -> int:
     """Write `read_rows`-shaped `rows` into pages `ids` of the group; the bytes written."""
-    kind = cache.layout.groups[group].kind
-    nbytes = sum(r.numel() * r.element_size() for r in rows)
+    kind, side = cache.layout.groups[group].kind, _sidecar(cache, group, sidecar)
+    model_rows = list(rows[:-1] if side is not None else rows)
     if _tp_size(cache) == 1:
-        for t, r in zip(page_tensors(cache, group, sidecar), rows):
-            t.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=t.device), r.to(t.device))
-        return nbytes
-    has_sidecar = kind == "full" and sidecar
-    cache.caches.write_rows(kind, ids, list(rows[:-1] if has_sidecar else rows))
-    if has_sidecar:
-        side = cache.sidecar
-        side.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=side.device), rows[-1].to(side.device))
-    return nbytes
+        for t, r in zip(_model_tensors(cache, kind), model_rows):
+            t.index_copy_(0, _index(ids, t), r.to(t.device))
+    else:
+        cache.caches.write_rows(kind, ids, model_rows)
+    if side is not None:
+        side.index_copy_(0, _index(ids, side), rows[-1].to(side.device))
+    return sum(r.numel() * r.element_size() for r in rows)
