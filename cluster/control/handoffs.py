@@ -66,17 +66,9 @@ class Handoffs:
             return HandoffResultMsg(msg.request_id, dst, True, sent.num_bytes, num_skipped_bytes=sent.num_skipped_bytes)
 
     def _renew(self, src: str, dst: str, gen: int) -> None:
-        """The next hand-off src -> dst opens a fresh channel; both ends close this one (no wait:
-        a dead end needs no closing)."""
-        self.channels.renew(src, dst)
-        name = f"{src}->{dst}#h{gen}"
-        for here, peer in ((src, dst), (dst, src)):
-            rep = self.replicas.get(here)
-            if rep is not None:
-                try:
-                    rep.actor.drop_channel.remote(peer, name)
-                except Exception:  # noqa: BLE001 - gone meanwhile
-                    pass
+        """The next hand-off src -> dst opens a fresh channel; both ends close this one (the pair's
+        prefix-transfer channel stays)."""
+        self.channels.reset(self.replicas, src, dst, f"{src}->{dst}#h{gen}")
 
     def _failed(self, msg: HandoffMsg, reason: str) -> HandoffResultMsg:
         self.counters["handoff_failures"] += 1

@@ -27,3 +27,15 @@ class PairChannels:
     def renew(self, src: str, dst: str) -> None:
         """After a failed move: the next one src -> dst opens a new channel."""
         self._generation[(src, dst)] = self.generation(src, dst) + 1
+
+    def reset(self, replicas, src: str, dst: str, name: str | None = None) -> None:
+        """After a failed move: `renew`, and both replicas drop the failed channel (`name`; None:
+        every channel between them). Not waited for: a dead end needs no dropping."""
+        self.renew(src, dst)
+        for here, peer in ((src, dst), (dst, src)):
+            rep = replicas.get(here)
+            if rep is not None:
+                try:
+                    rep.actor.drop_channel.remote(peer, name)
+                except Exception:  # noqa: BLE001 - gone meanwhile
+                    pass

@@ -54,11 +54,7 @@ class Transfers:
         except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
             log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
             self.counters["transfer_failures"] += 1
-            self.channels.renew(src, dst)
-            for a, b in ((src, dst), (dst, src)):
-                rep = self.replicas.get(a)
-                if rep is not None:
-                    rep.actor.drop_channel.remote(b)
+            self.channels.reset(self.replicas, src, dst)
             return TransferResult(False)
 
     def forget_replica(self, replica_id: str) -> None:
