@@ -32,6 +32,7 @@ import ray
 
 from workers.engine.errors import HandoffError
 from workers.engine.request import RequestOutput
+from workers.pair_channel_names import handoff_channel_name
 from workers.replica_messages import HandoffSentMsg
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class HandoffMixin:
         def send(h):  # the channel's set-up too: a failure there keeps the request here
             if peer_id is None:
                 raise HandoffError("no receiver")
-            channel = self._channel(f"{self.replica_id}->{peer_id}#h{generation}", 0, None)
+            channel = self._channel(handoff_channel_name(self.replica_id, peer_id, generation), 0, None)
             sent.append(send_handoff(channel, h, corrupt_chunk=corrupt))
 
         try:
@@ -173,7 +174,7 @@ class HandoffMixin:
         from workers.handoff_transfer import receive_handoff_into
 
         self._handoff_state()
-        channel = self._channel(f"{peer_id}->{self.replica_id}#h{generation}", 1, tuple(endpoint))
+        channel = self._channel(handoff_channel_name(peer_id, self.replica_id, generation), 1, tuple(endpoint))
         imported = receive_handoff_into(_StreamingImporter(self, refuse=True), channel, on_loop=self._on_loop)
         return imported.num_bytes_written
 

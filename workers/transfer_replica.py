@@ -11,6 +11,8 @@ import time
 
 import ray
 
+from workers.pair_channel_names import channel_ends, transfer_channel_name
+
 
 class TransferMixin:
     """Rank-to-rank state-page transfer between replicas, one pair channel per (sender, receiver).
@@ -76,7 +78,7 @@ class TransferMixin:
             if channel is not None:
                 channel.close()
             return
-        for key in [n for n in channels if peer_id in n.split("#")[0].split("->")]:
+        for key in [n for n in channels if peer_id in channel_ends(n)]:
             channels.pop(key, None)
 
     @ray.method(concurrency_group="transfer")
@@ -92,7 +94,7 @@ class TransferMixin:
         engine = self.runner.engine
         hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,
                                     model_fingerprint=engine.config.model_fingerprint, cache_salt=cache_salt)
-        channel = self._channel(f"{self.replica_id}->{peer_id}#{generation}", 0, None)
+        channel = self._channel(transfer_channel_name(self.replica_id, peer_id, generation), 0, None)
         t0 = time.perf_counter()
         num_bytes = send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
                                 corrupt=self.corrupt_this_send(), kv_only=kv_only)
@@ -109,5 +111,5 @@ class TransferMixin:
     def recv_prefix(self, peer_id: str, endpoint: tuple[str, int], generation: int = 0) -> int:
         from workers.transfer_recv import recv_prefix
 
-        channel = self._channel(f"{peer_id}->{self.replica_id}#{generation}", 1, tuple(endpoint))
+        channel = self._channel(transfer_channel_name(peer_id, self.replica_id, generation), 1, tuple(endpoint))
         return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop)

@@ -16,6 +16,7 @@ import ray
 from cluster.control.pair_channels import ENDPOINT_TIMEOUT_S, PairChannels
 from cluster.control.replica_set import ReplicaSet
 from cluster.messages import HandoffMsg, HandoffResultMsg
+from workers.pair_channel_names import handoff_channel_name
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Handoffs:
     def _renew(self, src: str, dst: str, gen: int) -> None:
         """The next hand-off src -> dst opens a fresh channel; both ends close this one (the pair's
         prefix-transfer channel stays)."""
-        self.channels.reset(self.replicas, src, dst, f"{src}->{dst}#h{gen}")
+        self.channels.reset(self.replicas, src, dst, handoff_channel_name(src, dst, gen))
 
     def _failed(self, msg: HandoffMsg, reason: str) -> HandoffResultMsg:
         self.counters["handoff_failures"] += 1
