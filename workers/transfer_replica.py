@@ -70,8 +70,8 @@ class TransferMixin:
 
     @ray.method(concurrency_group="control")
     def drop_channel(self, peer_id: str, name: str | None = None) -> None:
-        """Forget channels with `peer_id` (after a failed transfer or the peer's death); `name`:
-        that channel only, closed (a failed hand-off's: the pair's transfer channel stays)."""
+        """Forget every channel with `peer_id` (the peer's death); `name`: that channel only,
+        closed (a failed transfer's or hand-off's: the pair's other channels stay)."""
         channels = self._transfer_state()
         if name is not None:
             channel = channels.pop(name, None)

@@ -28,9 +28,11 @@ class PairChannels:
         """After a failed move: the next one src -> dst opens a new channel."""
         self._generation[(src, dst)] = self.generation(src, dst) + 1
 
-    def reset(self, replicas, src: str, dst: str, name: str | None = None) -> None:
-        """After a failed move: `renew`, and both replicas drop the failed channel (`name`; None:
-        every channel between them). Not waited for: a dead end needs no dropping."""
+    def reset(self, replicas, src: str, dst: str, name: str) -> None:
+        """After a failed move: `renew`, and both replicas close the failed channel (`name`, only
+        it: the pair's channels of the other kind count their own generations, and one dropped
+        under them would be reopened under its old name, meeting its keys left in the store).
+        Not waited for: a dead end needs no dropping."""
         self.renew(src, dst)
         for here, peer in ((src, dst), (dst, src)):
             rep = replicas.get(here)

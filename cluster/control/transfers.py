@@ -1,8 +1,9 @@
 """Prefix-page transfers between replicas, done by the controller.
 
 A transfer moves the pages serving a hit from `src` to `dst` over their pair channel (one at a
-time per ordered pair: they share one channel); any failure is logged, the pair's channel is
-dropped (the next transfer opens a fresh one) and the request recomputes. What to move is
+time per ordered pair: they share one channel); any failure is logged, that channel is closed on
+both ends (the next transfer opens a fresh one; the pair's hand-off channel stays) and the
+request recomputes. What to move is
 `cache_service.transfer_plan`'s call; warming a new replica is `control.warmup`'s.
 """
 
@@ -15,6 +16,7 @@ import ray
 from cluster.control.pair_channels import ENDPOINT_TIMEOUT_S, PairChannels
 from cluster.control.replica_set import ReplicaSet
 from cluster.messages import TransferResult
+from workers.pair_channel_names import transfer_channel_name
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +41,25 @@ class Transfers:
         """Move the pages serving a `num_tokens` hit src -> dst, with the payload bytes sent; on any
         failure log why and answer not ok (the request then recomputes). `kv_only`: the attention
         blocks only (`workers.transfer._wanted_keys`: a prompt's pages sent ahead of its hand-off)."""
-        try:
-            with self.channels.lock(src, dst):
+        with self.channels.lock(src, dst):
+            gen = self.channels.generation(src, dst)  # a fresh pair after a failure
+            try:
                 s, d = self.replicas.get(src), self.replicas.get(dst)
                 if s is None or d is None:
                     raise RuntimeError(f"{src if s is None else dst} is gone")
                 endpoint = ray.get(s.actor.channel_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
-                gen = self.channels.generation(src, dst)  # a fresh pair after a failure
                 sent = s.actor.send_prefix.remote(prompt_token_ids, cache_salt, num_tokens, dst, gen, kv_only)
                 received = d.actor.recv_prefix.remote(src, endpoint, gen)
                 (num_bytes, seconds), _ = ray.get([sent, received], timeout=self.timeout_s)
-            self.counters["transfers"] += 1
-            return TransferResult(True, int(num_bytes), float(seconds))
-        except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
-            log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
-            self.counters["transfer_failures"] += 1
-            self.channels.reset(self.replicas, src, dst)
-            return TransferResult(False)
+            except Exception as exc:  # noqa: BLE001 - any failure falls back to recompute
+                log.warning("transfer %s -> %s of %d tokens failed (%s): recomputing", src, dst, num_tokens, exc)
+                self.counters["transfer_failures"] += 1
+                # this channel only: the pair's hand-off channel is the hand-offs' (their own
+                # generations), so dropping it here would make the next hand-off reopen its name
+                self.channels.reset(self.replicas, src, dst, transfer_channel_name(src, dst, gen))
+                return TransferResult(False)
+        self.counters["transfers"] += 1
+        return TransferResult(True, int(num_bytes), float(seconds))
 
     def forget_replica(self, replica_id: str) -> None:
         for rep in list(self.replicas.replicas.values()):

@@ -142,6 +142,51 @@ def test_corrupted_hand_off_finishes_on_the_prefill_replica(pd_cluster, ray_sess
     assert {r: rep.num_inflight for r, rep in backend.replicas.replicas.items()} == {prefill: 0, decode: 0}
 
 
+def _pair_channels(ray_session, backend, replica: str, src: str, dst: str, kind: str) -> list[str]:
+    """The channels src -> dst open on `replica`, of one kind: "#<gen>" prefix transfers, "#h<gen>" hand-offs."""
+    names = ray_session.get(backend.replicas.get(replica).actor.channel_names.remote())
+    pair = [n for n in names if n.startswith(f"{src}->{dst}#")]
+    return [n for n in pair if n.startswith(f"{src}->{dst}#h") == (kind == "handoff")]
+
+
+def test_hand_off_after_a_failed_early_page_send(pd_cluster, ray_session, tiny_dir):
+    # catches: a failed kv-only transfer (an early page send of a prompt still prefilling) whose
+    # renewal drops the pair's hand-off channel too (both ends used to drop every channel with the
+    # other) while the hand-offs' book still names it: the next hand-off reopened a channel of the
+    # dropped one's name, whose rendezvous met its keys left in the sender's store (gloo: connection
+    # refused, the hand-off timed out and the prefill replica was purged with the request on it)
+    from cluster.messages import TransferMsg
+
+    k, backend, prefill, decode = pd_cluster
+    _, served = backend.generate(make_prompt(60, 12), PARAMS)  # a hand-off channel open on both ends
+    assert served == decode
+    def channels(replica: str, kind: str) -> list[str]:
+        return _pair_channels(ray_session, backend, replica, prefill, decode, kind)
+
+    handoff_channels = {r: channels(r, "handoff") for r in (prefill, decode)}
+    assert all(handoff_channels.values())
+    failures = ray_session.get(backend.controller.stats.remote())["transfer_failures"]
+    # the early send of a prompt whose pages the prefill replica no longer holds (evicted): refused
+    early = TransferMsg(tuple(make_prompt(128, 13)), None, prefill, decode, 64, kv_only=True)
+    assert not ray_session.get(backend.controller.transfer.remote(early)).ok
+    assert ray_session.get(backend.controller.stats.remote())["transfer_failures"] == failures + 1
+    for replica in (prefill, decode):  # the failed channel dropped on both ends (not waited for: wait here)
+        deadline = time.monotonic() + 30
+        while channels(replica, "transfer") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not channels(replica, "transfer")
+        # the hand-off channel left alone (whether a reopened name meets stale keys is a race: this is not)
+        assert channels(replica, "handoff") == handoff_channels[replica]
+    delivered, kept = backend.handoff_counts["handoffs"], backend.handoff_counts["handoffs_kept"]
+    prompt = make_prompt(90, 14)
+    outs = list(backend.submit(prompt, PARAMS))
+    expect = _reference(tiny_dir, k, prompt)
+    assert outs[-1].finished and outs[-1].token_ids == expect
+    assert [t for o in outs for t in o.new_token_ids] == list(expect)
+    assert (backend.handoff_counts["handoffs"], backend.handoff_counts["handoffs_kept"]) == (delivered + 1, kept)
+    assert {r: rep.num_inflight for r, rep in backend.replicas.replicas.items()} == {prefill: 0, decode: 0}
+
+
 def test_each_role_runs_on_its_cpus(pd_cluster):
     # catches: roles not pinned (cluster.pd.<role>_cpus ignored), only the replica's main thread
     # pinned (the engine loop is another thread), the roles' lists swapped
