@@ -8,8 +8,10 @@ size: the table issue 28 asks for, with its checks.
     budgets   --shares of the trace's working set (working_set.py), split over the R replicas
     load      arrivals are spread by R / 16 (`simulate --time-scale R/16`): every R sees the
               per-replica request rate of the trace at R = 16, so R = 1 is not a queueing test
-    cells     (retention, eviction): latest/lru, latest/marconi, latest/value, and finer grids under
-              value (dense, 512); `--cells` adds others (dense/lru: the old collapse). `marconi`
+    cells     (retention, eviction): latest/lru, latest/marconi, latest/value, finer grids under
+              value (dense, 512) and placement by expected value (value:3e8: up to 3e8 bytes, 4
+              states, per request; `cache_service/placement.py`); `--cells` adds others
+              (dense/lru: the old collapse). `marconi`
               here is its best setting in hindsight: every alpha in tuning.MARCONI_ALPHAS run on
               the whole trace, the highest hit rate kept (a stricter bar than the paper's tuning
               on a prefix, which `simulate` does)
@@ -17,7 +19,7 @@ size: the table issue 28 asks for, with its checks.
 Checks printed under the table (and in the JSON's `checks`):
     value >= marconi          on every (trace, R, share), both at `latest`
     value >= 1.5 x lru        at the 25% share, both at `latest`
-    grid >= latest            dense and 512 under value, every budget
+    grid >= latest            dense, 512 and value:3e8 under value, every budget
 
 Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes. Writes JSON
 (--out) and a Markdown table (--markdown).
@@ -37,9 +39,10 @@ from cache_service.trace_sim.generate import GenConfig, generate, write_trace
 from cache_service.trace_sim.trace import load_trace, scale_requests
 from cache_service.trace_sim.tuning import MARCONI_ALPHAS
 
+PLACED = "value:3e8"  # placement by expected value: up to 4 Nemotron-Nano-9B-v2 states per request
 CELLS = (("latest", "lru"), ("latest", "marconi"), ("latest", "value"),
-         ("dense", "value"), ("512", "value"), ("dense", "lru"))  # the table's column order
-DEFAULT_CELLS = CELLS[:5]
+         ("dense", "value"), ("512", "value"), (PLACED, "value"), ("dense", "lru"))  # the table's column order
+DEFAULT_CELLS = CELLS[:6]
 GENERATED = {"chat": GenConfig("chat", 400, seed=0), "agent": GenConfig("agent", 60, seed=0)}
 REFERENCE_REPLICAS = 16
 
@@ -97,7 +100,7 @@ def checks(rows: list[dict]) -> list[dict]:
         if share == 0.25 and "latest/lru" in hits:
             out.append(dict(where, check="value >= 1.5 x lru", left=value, right=1.5 * hits["latest/lru"],
                             holds=value >= 1.5 * hits["latest/lru"]))
-        for grid in ("dense/value", "512/value"):
+        for grid in ("dense/value", "512/value", f"{PLACED}/value"):
             if grid in hits:
                 out.append(dict(where, check=f"{grid} >= latest/value", left=hits[grid], right=value,
                                 holds=hits[grid] >= value))

@@ -19,7 +19,13 @@ from itertools import count
 
 from cache_service.coordinator import Boundary, HybridCoordinator
 from cache_service.hit_finders import DropRule
-from cache_service.retention import CheckpointPlanner, DenseRetention, LatestOnlyRetention, RetentionPolicy
+from cache_service.retention import (
+    CheckpointPlanner,
+    DenseRetention,
+    IntervalRetention,
+    LatestOnlyRetention,
+    RetentionPolicy,
+)
 from cache_service.specs import GroupSpec, SlidingWindowSpec
 
 
@@ -64,7 +70,10 @@ def _kept_states(policy: RetentionPolicy, alignment: int) -> str:
         return "kept at the replay and final boundaries and at shared-prefix junctions (retention latest)"
     if isinstance(policy, DenseRetention):
         return f"kept every {alignment} tokens (retention dense)"
-    return f"kept every {policy.name} tokens and at the boundaries (retention {policy.name})"
+    if isinstance(policy, IntervalRetention):
+        return f"kept every {policy.name} tokens and at the boundaries (retention {policy.name})"
+    return (f"kept at the boundaries and junctions, plus up to {policy.name.split(':', 1)[1]} bytes per request "
+            f"where later lookups are expected to land (retention {policy.name})")
 
 
 def _need(spec: GroupSpec, policy: RetentionPolicy, alignment: int) -> str:

@@ -17,7 +17,7 @@ from cache_service.cacheability import CacheProfile, cache_profile
 from cache_service.coordinator import EagleMode
 from cache_service.hit_finders import DropRule
 from cache_service.miss_reasons import LookupReport, describe_reason
-from cache_service.retention import make_retention
+from cache_service.retention import make_retention, state_bytes_of
 from cache_service.simulate import Scenario, simulate
 from cache_service.specs import CacheLayout, SpecError, parse_group_spec
 
@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-rule", default="lookahead",
                    help="how a dropping group proves the successor token: lookahead (default: the block starting "
                         "at L is cached, as current vLLM) | alignment (older engines: it must serve L + A)")
-    p.add_argument("--retention", default="latest", help="latest | dense | N (a multiple of the alignment)")
+    p.add_argument("--retention", default="latest",
+                   help="latest | dense | N (a multiple of the alignment) | value:BYTES (placement by expected "
+                        "value; with one prompt and its resend nothing is learned yet, so it keeps what latest does)")
     p.add_argument("--prompt-len", required=True, help="cold prompt length in tokens")
     p.add_argument("--resend-len", default=None, help="resend length (default: = prompt len; larger extends it)")
     p.add_argument("--num-spec-tokens", default=None, help="draft tokens per step (default 3 with EAGLE, else 0)")
@@ -92,7 +94,7 @@ def parse_scenario(argv: list[str]) -> tuple[Scenario, bool]:
         drop_rule = DropRule(args.drop_rule.strip().lower())
     except ValueError:
         raise UsageError(f"--drop-rule must be lookahead or alignment, got {args.drop_rule!r}") from None
-    make_retention(args.retention, layout.alignment)  # validate early
+    make_retention(args.retention, layout.alignment, state_bytes_of(layout))  # validate early
     scenario = Scenario(
         groups=groups, prompt_len=prompt_len, resend_len=resend_len, eagle=eagle, draft_groups=draft,
         drop_rule=drop_rule,
@@ -106,7 +108,7 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
     result = simulate(scenario, explain=verbose)
     layout, coord = scenario.layout, result.coordinator
     resend = result.resend
-    profile = cache_profile(coord, make_retention(scenario.retention, layout.alignment))
+    profile = cache_profile(coord, make_retention(scenario.retention, layout.alignment, state_bytes_of(layout)))
     out = {
         "groups": layout.describe(),
         "alignment": layout.alignment,

@@ -12,62 +12,41 @@ group's lookahead block at the boundary cannot exist (the prompt, computed token
 match ends inside it); under the older alignment rule below every boundary
 (`HybridCoordinator.reachable_hit_positions`).
 
-Policies add periodic snapshots: `latest` none, `interval k` every k tokens (k a positive
-multiple of A), `dense` every A tokens.
+Policies add periodic snapshots (`retention_policies.py`): `latest` none, `interval k` every k
+tokens (k a positive multiple of A), `dense` every A tokens; `value:BYTES` up to BYTES of states
+per request where later lookups are expected to land (`placement.py`).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cache_service.coordinator import Boundary, HybridCoordinator
+from cache_service.eviction_policy import RecomputeCost
+from cache_service.placement import parse_value_placement
+from cache_service.retention_policies import (  # noqa: F401 - the policies' home for callers
+    DenseRetention,
+    IntervalRetention,
+    LatestOnlyRetention,
+    RetentionPolicy,
+)
 from cache_service.specs import SpecError
 
 
-class RetentionPolicy(ABC):
-    name: str
-
-    @abstractmethod
-    def periodic_positions(self, num_tokens: int, alignment: int) -> Iterable[int]:
-        """Extra snapshot positions in (0, num_tokens] besides the mandatory ones."""
-
-    def describe(self) -> str:
-        return self.name
+def state_bytes_of(layout) -> int:
+    """One snapshot's bytes over the layout's Mamba groups (1 when the specs carry no page bytes:
+    `value:BYTES` then counts states)."""
+    return sum(g.page_size_bytes for g in layout.groups if not g.is_attention) or 1
 
 
-@dataclass(frozen=True)
-class LatestOnlyRetention(RetentionPolicy):
-    name = "latest"
-
-    def periodic_positions(self, num_tokens: int, alignment: int) -> Iterable[int]:
-        return ()
-
-
-@dataclass(frozen=True)
-class DenseRetention(RetentionPolicy):
-    name = "dense"
-
-    def periodic_positions(self, num_tokens: int, alignment: int) -> Iterable[int]:
-        return range(alignment, num_tokens + 1, alignment)
-
-
-@dataclass(frozen=True)
-class IntervalRetention(RetentionPolicy):
-    interval: int
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return str(self.interval)
-
-    def periodic_positions(self, num_tokens: int, alignment: int) -> Iterable[int]:
-        return range(self.interval, num_tokens + 1, self.interval)
-
-
-def make_retention(value: str | int, alignment: int) -> RetentionPolicy:
-    """`latest`, `dense`, or an interval N (a positive multiple of the alignment)."""
+def make_retention(value: str | int, alignment: int, state_bytes: int = 0,
+                   cost: RecomputeCost | None = None) -> RetentionPolicy:
+    """`latest`, `dense`, an interval N (a positive multiple of the alignment), or `value:BYTES`
+    (`state_bytes`: one snapshot's bytes; `cost`: the recompute model placement weighs by)."""
     text = str(value).strip().lower()
+    if text.startswith("value:"):
+        return parse_value_placement(text, state_bytes, cost)
     if text in ("latest", "0"):
         return LatestOnlyRetention()
     if text == "dense":
@@ -75,7 +54,8 @@ def make_retention(value: str | int, alignment: int) -> RetentionPolicy:
     try:
         interval = int(text)
     except ValueError:
-        raise SpecError(f"retention must be 'latest', 'dense' or a token interval, got {value!r}") from None
+        raise SpecError(
+            f"retention must be 'latest', 'dense', a token interval or value:BYTES, got {value!r}") from None
     if interval <= 0 or interval % alignment:
         raise SpecError(
             f"retention interval {interval} must be a positive multiple of the alignment {alignment}"
@@ -90,6 +70,11 @@ class CheckpointPlanner:
     coordinator: HybridCoordinator
     policy: RetentionPolicy
     eagle_aware: bool = True  # False reproduces the pre-fix behaviour (tests, explanations)
+
+    def observe(self, match_tokens: int) -> None:
+        """A lookup's attention match ended at `match_tokens`: what placement by value learns from
+        (every other policy ignores it). Called once per request, at its first lookup."""
+        self.policy.observe(match_tokens, self.coordinator.alignment)
 
     def replay_boundary(self, num_prompt_tokens: int) -> int:
         step = self.coordinator.alignment
@@ -119,7 +104,7 @@ class CheckpointPlanner:
         needed = {m.position for m in marks}
         if self.eagle_aware:
             needed.update(self.coordinator.reachable_hit_positions(marks))
-        grid = self.policy.periodic_positions(num_computed_tokens, step)
+        grid = self.policy.periodic_positions(num_computed_tokens, step, needed)
         return frozenset(p for p in grid if 0 < p <= num_computed_tokens and p not in needed)
 
     def checkpoints(
@@ -129,7 +114,7 @@ class CheckpointPlanner:
         step = self.coordinator.alignment
         marks = self.boundaries(num_prompt_tokens, num_computed_tokens, junctions)
         keep = {m.position for m in marks}
-        keep.update(self.policy.periodic_positions(num_computed_tokens, step))
         if self.eagle_aware:
             keep.update(self.coordinator.reachable_hit_positions(marks))
+        keep.update(self.policy.periodic_positions(num_computed_tokens, step, frozenset(keep)))
         return tuple(sorted(p for p in keep if 0 < p <= num_computed_tokens))

@@ -17,7 +17,7 @@ from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
 from cache_service.miss_reasons import LookupReport, RecentlyEvicted, classify_miss
-from cache_service.retention import CheckpointPlanner, make_retention
+from cache_service.retention import CheckpointPlanner, make_retention, state_bytes_of
 from cache_service.specs import CacheLayout, GroupSpec
 
 
@@ -88,6 +88,7 @@ def run_request(
             lines.append(f"group {g} ({probe.spec.describe()}): {own} -- {probe.why(own)}")
         lines.append(f"reconciliation: candidates {' -> '.join(map(str, hit.candidates))}; hit {hit.hit_tokens}")
     junctions = coordinator.junctions(hit)
+    planner.observe(hit.attention_match_tokens)
     n = len(tokens)
     checkpoints = planner.checkpoints(n, n, junctions)
     periodic = planner.periodic(n, n, junctions)
@@ -99,7 +100,7 @@ def run_request(
 def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
     layout = scenario.layout
     coordinator = HybridCoordinator(layout, scenario.eagle, scenario.draft_groups, scenario.drop_rule)
-    policy = make_retention(scenario.retention, layout.alignment)
+    policy = make_retention(scenario.retention, layout.alignment, state_bytes_of(layout))
     planner = CheckpointPlanner(coordinator, policy, scenario.eagle_aware_retention)
     resend_len = scenario.prompt_len if scenario.resend_len is None else scenario.resend_len
     longest = max(scenario.prompt_len, resend_len)

@@ -14,7 +14,6 @@ routed by the real `GlobalIndex` + `Router`, with a simple prefill/decode cost m
     pd_split.py  prefill/decode roles: the split, hand-off bytes, the decode replica's choice
     stepped_engine.py the loop under the stepped model (mixed or split), records at the end
     summary.py   the summary JSON of one run
-    value_retention.py  byte-budgeted retention by expected value (value:BYTES)
     plots.py     hit rate, TTFT CDF and memory split per policy
     cli.py       `hybridserve simulate`
 """

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from cache_service.block_hash import RequestBlockHashes
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.eviction import EvictionConfig
+from cache_service.eviction_policy import RecomputeCost
 from cache_service.global_index import GlobalIndex
 from cache_service.ids import replica_id
 from cache_service.messages import HostCopyPrice
@@ -40,7 +41,6 @@ from cache_service.trace_sim.policies import Choice, make_policy
 from cache_service.trace_sim.prefill_queue import PrefillQueue
 from cache_service.trace_sim.replica import SimReplica
 from cache_service.trace_sim.trace import TraceRequest
-from cache_service.trace_sim.value_retention import parse_value_retention
 
 DECODE_MODELS = ("independent", "stepped")
 
@@ -52,7 +52,7 @@ class SimSettings:
     num_replicas: int
     policy: str
     budget_bytes: int  # cache memory per replica (KV + Mamba state)
-    retention: str = "latest"  # latest, dense, an interval, or value:BYTES (value_retention.py)
+    retention: str = "latest"  # latest, dense, an interval, or value:BYTES (cache_service/placement.py)
     eviction: str = "value"  # of retained Mamba states: value | lru | marconi[:ALPHA] (eviction.py)
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
@@ -127,10 +127,10 @@ class ClusterSim:
         self.coordinator = HybridCoordinator(layout, settings.eagle)
         pages = settings.layout.page_bytes
         self._state_bytes = sum(p for g, p in zip(layout.groups, pages) if not g.is_attention)
-        self.value_retention = parse_value_retention(settings.retention, self._state_bytes)
-        retention = self.value_retention or make_retention(settings.retention, layout.alignment)
-        self.planner = CheckpointPlanner(self.coordinator, retention)
         self.eviction = EvictionConfig(settings.eviction, settings.layout.attention_crossover_tokens)
+        retention = make_retention(settings.retention, layout.alignment, self._state_bytes,
+                                   RecomputeCost(settings.layout.attention_crossover_tokens))
+        self.planner = CheckpointPlanner(self.coordinator, retention)
         state_page = max((p for g, p in zip(layout.groups, pages) if not g.is_attention), default=1)
         self.index = GlobalIndex(len(layout.groups))
         ids = [replica_id(i) for i in range(settings.num_replicas)]
@@ -237,8 +237,7 @@ class ClusterSim:
             transfer_s = moved / cost.transfer_bytes_per_s
         hit = cache.lookup(hashes, n)
         promoted += cache.promoted_bytes(hashes, hit.hit_tokens)
-        if self.value_retention is not None:
-            self.value_retention.stats.observe(hit.attention_match_tokens, self.coordinator.alignment)
+        self.planner.observe(hit.attention_match_tokens)
         return Served(hit, n - hit.hit_tokens, num_moved, transfer_s, promoted, self.coordinator.junctions(hit))
 
     def run(self, requests: Iterable[TraceRequest],

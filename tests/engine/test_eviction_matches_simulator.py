@@ -60,15 +60,31 @@ def trim(prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("eviction", ["value", "lru"])
 @pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop"), (3, "lossless")])
 def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, eviction):
+    num_spare, _ = run_both(tiny_model, k, eagle, eviction, "dense")
+    assert (num_spare > 0) == (eviction != "lru")
+
+
+@pytest.mark.heavy
+def test_the_engine_places_what_the_simulator_places(tiny_model):
+    """`value:BYTES` placement (`cache_service/placement.py`): the engine's planner learns the same
+    match depths from its lookups as the simulator's and places the same states."""
+    page = tiny_model.state_bytes_per_slot()
+    _, num_placed = run_both(tiny_model, 3, "drop", "value", f"value:{2 * page}")
+    assert num_placed >= 2
+
+
+def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str) -> tuple[int, int]:
+    """Serve `history(3)` on the engine and on a simulated replica, comparing after every request;
+    returns the spare KV blocks seen and the grid positions planned, summed over requests."""
     page = tiny_model.state_bytes_per_slot()
     memory = 24 * 2**20
-    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, eviction=eviction, retention="dense",
+    engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, eviction=eviction, retention=retention,
                          max_model_len=1024, cache_memory_bytes=memory, mamba_memory_fraction=0.3,
                          checkpoint_memory_fraction=3 * page / memory + 1e-9)  # 3 retained states
     cache = engine.cache
     assert (cache.mamba.eviction.name, cache.mamba.max_retained_pages) == (eviction, 3)
     coord = HybridCoordinator(cache.layout, cache.coordinator.eagle, drop_rule=DropRule(engine.config.drop_rule))
-    planner = CheckpointPlanner(coord, make_retention("dense", cache.layout.alignment))
+    planner = CheckpointPlanner(coord, make_retention(retention, cache.layout.alignment, state_bytes=page))
     sizes = [pool.num_blocks for pool in cache.pools]
     replica = SimReplica("r", coord, planner, sizes, index=None, eviction=EvictionConfig(eviction),
                          state_page_bytes=cache.mamba.page_size_bytes, max_retained_pages=3)
@@ -77,12 +93,14 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
     # last chunk undrafted, the simulator's trace requests never do); trimmed lengths keep the
     # decoded tokens inside the prompt's last block and alignment unit, so both publish the same
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    num_hits = num_spare = 0
+    num_hits = num_spare = num_placed = 0
     for i, prompt in enumerate(history(3)):
         hashes = RequestBlockHashes(cache.layout.hash_block_size, prompt,
                                     model_fingerprint=engine.config.model_fingerprint)
         n = len(prompt)
         hit = replica.lookup(hashes, n)
+        planner.observe(hit.attention_match_tokens)
+        num_placed += len(planner.periodic(n, n, coord.junctions(hit)))
         replica.publish(hashes, hit.hit_tokens, n, coord.junctions(hit))
         (out,) = engine.generate([prompt], params)
         assert out.num_cached_tokens == hit.hit_tokens, i
@@ -97,5 +115,6 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
         assert (cache.mamba.num_evictions, cache.mamba.num_snapshots_skipped) == (
             sim_mamba.num_evictions, sim_mamba.num_snapshots_skipped), i
         assert cache.mamba.eviction.now == sim_mamba.eviction.now == i + 1
+        assert getattr(cache.planner.policy, "stats", None) == getattr(planner.policy, "stats", None), i
     assert num_hits >= 3 and sim_mamba.num_evictions + sim_mamba.num_snapshots_skipped >= 10
-    assert (num_spare > 0) == (eviction != "lru")
+    return num_spare, num_placed

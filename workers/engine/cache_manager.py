@@ -82,7 +82,8 @@ class EngineCacheManager:
         self.layout = CacheLayout(tuple(groups))
         eagle = config.eagle_mode if speculative else EagleMode.OFF
         self.coordinator = HybridCoordinator(self.layout, eagle, drop_rule=config.drop_rule)
-        self.planner = CheckpointPlanner(self.coordinator, make_retention(config.retention, self.layout.alignment))
+        self.planner = CheckpointPlanner(self.coordinator, make_retention(
+            config.retention, self.layout.alignment, state_bytes=state_page_bytes))
         self.events = events if events is not None else EventSink(enabled=False)  # no consumer: keep nothing
         sizes = {"full": num_kv_blocks, "mamba": num_state_slots, "draft": num_kv_blocks}
         self.pools = [BlockPool(sizes[spec.kind], g, self.events) for g, spec in enumerate(groups)]
@@ -172,6 +173,7 @@ class EngineCacheManager:
         if not self.groups.can_admit(rid, req.hashes, length, positions, spare_pages=1):  # +1: a snapshot
             return False
         if not req.num_preemptions:  # classified before admitting: taking pages may evict what the probes read
+            self.planner.observe(hit.attention_match_tokens)
             reason = classify_miss(self.coordinator, probes, hit, self.evicted)
             req.cache_report = LookupReport.of(req.num_prompt_tokens, hit, probes, reason)
         start = time.perf_counter()

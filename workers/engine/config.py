@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from cache_service.coordinator import EagleMode
 from cache_service.eviction import EvictionConfig, EvictionError
 from cache_service.hit_finders import DropRule
+from cache_service.retention import make_retention
+from cache_service.specs import SpecError
 from workers.engine.errors import EngineConfigError
 
 
@@ -34,7 +37,9 @@ class EngineConfig:
     # how a dropping draft group proves the successor token: lookahead (the block starting at the
     # hit is cached) | alignment (older engines: one alignment unit lost per hit)
     drop_rule: str = "lookahead"
-    retention: str = "latest"  # latest | dense | interval in tokens
+    # latest | dense | interval in tokens | value:BYTES (up to BYTES of states per request, placed
+    # where later lookups are expected to land: cache_service/placement.py)
+    retention: str = "latest"
     # which retained Mamba checkpoint goes under pressure: value | lru | marconi[:ALPHA]
     # (cache_service/eviction.py; the trace simulator's --eviction runs the same objects)
     eviction: str = "value"
@@ -78,6 +83,10 @@ class EngineConfig:
             DropRule(self.drop_rule)
         except ValueError:
             raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}") from None
+        try:  # state_bytes 1: the real page size is known once the model is loaded
+            make_retention(self.retention, math.lcm(self.kv_block_size, self.mamba_block_size), state_bytes=1)
+        except SpecError as exc:
+            raise EngineConfigError(f"retention: {exc}") from None
         try:
             EvictionConfig(self.eviction)
         except EvictionError as exc:
