@@ -9,6 +9,7 @@ simulator not feeding its lookups to the planner (no depth learned: no hit)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -100,3 +101,25 @@ def test_learned_depth_gives_a_new_conversation_its_first_sibling_hit(retention,
     sim.step(make_request(1, 10.0, [0, 1, 5]))  # a match to 1024: the policy learns that depth
     sim.step(make_request(2, 20.0, [9, 10, 11]))  # a new prefix: value keeps a snapshot at 1024
     assert sim.step(make_request(3, 30.0, [9, 10, 12])).hit_tokens == expected
+
+
+def test_every_front_takes_the_spelling_and_refuses_bad_budgets(capsys):
+    from cache_service.explain import main as explain_main
+    from workers.engine.config import EngineConfig
+    from workers.engine.errors import EngineConfigError
+
+    assert EngineConfig(retention="value:3e8").retention == "value:3e8"
+    with pytest.raises(EngineConfigError, match="retention: .*value:BYTES"):
+        EngineConfig(retention="value:lots")
+    args = ["--group", "full:64", "--group", "mamba:64", "--prompt-len", "300"]
+    # one prompt and its resend: nothing learned yet, so it keeps what latest keeps
+    assert explain_main(args + ["--retention", "value:2"]) == 0
+    placed = capsys.readouterr().out
+    assert explain_main(args + ["--retention", "latest"]) == 0
+    latest = capsys.readouterr().out
+    placed, latest = json.loads(placed), json.loads(latest)
+    assert placed["hit_tokens"] == latest["hit_tokens"] == 256
+    assert placed["cold"]["checkpoints"] == latest["cold"]["checkpoints"] == [256]
+    assert "up to 2 bytes per request where later lookups are expected to land" in placed["needs"][1]
+    assert explain_main(args + ["--retention", "value:-1"]) == 2
+    assert "BYTES must be >= 0" in capsys.readouterr().err
