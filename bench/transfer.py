@@ -41,8 +41,8 @@ def timed_prefix_move(engine, hashes, hit: int, channel, rank: int, barrier, syn
     """(seconds, pages stored) of `send_prefix` (rank 0) / `recv_prefix` (rank 1) of a `hit`-token
     prefix, after a `barrier`; the receiver forgets its cached prefix first, so every repeat is a
     full registration. Pages stored: the receiver's count (0 on rank 0)."""
-    from workers.transfer import send_prefix
     from workers.transfer_recv import recv_prefix
+    from workers.transfer_send import send_prefix
 
     if rank == 1:
         for pool in engine.cache.pools:

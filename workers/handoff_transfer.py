@@ -60,7 +60,8 @@ from workers.handoff_frames import (
     send_blob,
     wait,
 )
-from workers.transfer import DEFAULT_CHUNK_BYTES, ON_THIS_THREAD, checksum
+from workers.transfer import ON_THIS_THREAD, checksum
+from workers.transfer_send import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**30
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,

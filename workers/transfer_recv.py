@@ -1,4 +1,4 @@
-"""Receiving a streamed prefix (the other end of `workers.transfer.send_prefix`): read the header,
+"""Receiving a streamed prefix (the other end of `workers.transfer_send.send_prefix`): read the header,
 check it and allocate fresh pages on the engine loop, land each chunk in its pages (in place
 when the rows are a run), verify the checksum, then register the pages under their hashes. A
 refused transfer is drained whole, so the pair channel stays usable.

@@ -1,7 +1,7 @@
 """A replica's side of moving prefix pages to and from its peers (`TransferMixin`, mixed into
 `workers.replica.TransferReplica`): one pair channel per (sender, receiver, generation), the
 sender hosting the rendezvous store; `send_prefix` / `recv_prefix` stream the pages
-(`workers/transfer.py`, `transfer_recv.py`)."""
+(`workers/transfer_send.py`, `transfer_recv.py`)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class TransferMixin:
         failed transfer, so the new pair never meets the old one's keys left in the store.
         `kv_only`: the attention blocks only (a prompt's pages sent ahead of its hand-off)."""
         from cache_service.block_hash import RequestBlockHashes
-        from workers.transfer import send_prefix
+        from workers.transfer_send import send_prefix
 
         engine = self.runner.engine
         hashes = RequestBlockHashes(engine.cache.layout.hash_block_size, prompt_token_ids,

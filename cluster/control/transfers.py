@@ -40,7 +40,7 @@ class Transfers:
              num_tokens: int, kv_only: bool = False) -> TransferResult:
         """Move the pages serving a `num_tokens` hit src -> dst, with the payload bytes sent; on any
         failure log why and answer not ok (the request then recomputes). `kv_only`: the attention
-        blocks only (`workers.transfer._wanted_keys`: a prompt's pages sent ahead of its hand-off)."""
+        blocks only (`workers.transfer.wanted_keys`: a prompt's pages sent ahead of its hand-off)."""
         with self.channels.lock(src, dst):
             gen = self.channels.generation(src, dst)  # a fresh pair after a failure
             try:

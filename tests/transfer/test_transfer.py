@@ -11,9 +11,10 @@ import torch.multiprocessing as mp
 from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine, make_prompt
 from workers.engine.sampling_params import SamplingParams
-from workers.transfer import TransferError, export_prefix, import_prefix, page_bytes, send_prefix
+from workers.transfer import TransferError, export_prefix, import_prefix, page_bytes
 from workers.transfer_channel import WorldChannel
 from workers.transfer_recv import recv_prefix
+from workers.transfer_send import send_prefix
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
