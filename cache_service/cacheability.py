@@ -25,6 +25,7 @@ from cache_service.retention import (
     IntervalRetention,
     LatestOnlyRetention,
     RetentionPolicy,
+    SpacedRetention,
 )
 from cache_service.specs import GroupSpec, SlidingWindowSpec
 
@@ -66,6 +67,8 @@ def shortest_hit_prompt(coordinator: HybridCoordinator, planner: CheckpointPlann
 
 
 def _kept_states(policy: RetentionPolicy, alignment: int) -> str:
+    if isinstance(policy, SpacedRetention):
+        return f"{_kept_states(policy.inner, alignment)}, and at least every {policy.spacing} tokens"
     if isinstance(policy, LatestOnlyRetention):
         return "kept at the replay and final boundaries and at shared-prefix junctions (retention latest)"
     if isinstance(policy, DenseRetention):

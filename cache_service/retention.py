@@ -30,6 +30,7 @@ from cache_service.retention_policies import (  # noqa: F401 - the policies' hom
     IntervalRetention,
     LatestOnlyRetention,
     RetentionPolicy,
+    SpacedRetention,
 )
 from cache_service.specs import SpecError
 
@@ -41,9 +42,19 @@ def state_bytes_of(layout) -> int:
 
 
 def make_retention(value: str | int, alignment: int, state_bytes: int = 0,
-                   cost: RecomputeCost | None = None) -> RetentionPolicy:
+                   cost: RecomputeCost | None = None, spacing: int = 0) -> RetentionPolicy:
     """`latest`, `dense`, an interval N (a positive multiple of the alignment), or `value:BYTES`
-    (`state_bytes`: one snapshot's bytes; `cost`: the recompute model placement weighs by)."""
+    (`state_bytes`: one snapshot's bytes; `cost`: the recompute model placement weighs by);
+    `spacing` > 0 adds a grid state at least every `spacing` tokens (`checkpoint_grid.on_grid`)."""
+    policy = _make_retention(value, alignment, state_bytes, cost)
+    if spacing <= 0:
+        return policy
+    if spacing % alignment:
+        raise SpecError(f"checkpoint spacing {spacing} must be a multiple of the alignment {alignment}")
+    return SpacedRetention(policy, spacing)
+
+
+def _make_retention(value: str | int, alignment: int, state_bytes: int, cost: RecomputeCost | None) -> RetentionPolicy:
     text = str(value).strip().lower()
     if text.startswith("value:"):
         return parse_value_placement(text, state_bytes, cost)

@@ -56,3 +56,26 @@ class IntervalRetention(RetentionPolicy):
 
     def periodic_positions(self, num_tokens: int, alignment: int, fixed: Collection[int] = ()) -> Iterable[int]:
         return range(self.interval, num_tokens + 1, self.interval)
+
+
+@dataclass(frozen=True)
+class SpacedRetention(RetentionPolicy):
+    """`inner` plus a grid state at least every `spacing` tokens (a Mamba block size kept as an
+    upper bound on spacing when states sit on the attention grid: `checkpoint_grid.py`)."""
+
+    inner: RetentionPolicy
+    spacing: int
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}, a state at least every {self.spacing} tokens"
+
+    def observe(self, match_tokens: int, alignment: int) -> None:
+        self.inner.observe(match_tokens, alignment)
+
+    def periodic_positions(self, num_tokens: int, alignment: int, fixed: Collection[int] = ()) -> Iterable[int]:
+        spaced = range(self.spacing, num_tokens + 1, self.spacing)
+        return sorted(set(self.inner.periodic_positions(num_tokens, alignment, set(fixed) | set(spaced))) | set(spaced))

@@ -27,5 +27,7 @@ def replica_cache_profile(groups: tuple[str, ...], eagle: str, engine_config) ->
     layout = CacheLayout(tuple(parse_group_spec(g) for g in groups))
     coordinator = HybridCoordinator(layout, eagle, drop_rule=engine_config.drop_rule)
     # state_bytes 1: a profile describes where states are kept, not how many bytes they take
-    return cache_profile(coordinator, make_retention(engine_config.retention, layout.alignment, state_bytes=1),
+    retention = make_retention(engine_config.retention, layout.alignment, state_bytes=1,
+                               spacing=engine_config.checkpoint_spacing)
+    return cache_profile(coordinator, retention,
                          engine_config.enable_prefix_caching)

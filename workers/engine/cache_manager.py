@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from cache_service.block_pool import BlockPool
+from cache_service.checkpoint_grid import on_grid
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.events import EventSink
 from cache_service.eviction import EvictionConfig
@@ -79,11 +80,13 @@ class EngineCacheManager:
         groups = [FullAttentionSpec(config.kv_block_size), MambaSpec(config.mamba_block_size)]
         if speculative:
             groups.append(DraftAttentionSpec(config.kv_block_size))
-        self.layout = CacheLayout(tuple(groups))
+        # states on the attention grid (config.checkpoint_grid): mamba_block_size bounds the spacing
+        self.layout, spacing = on_grid(CacheLayout(tuple(groups)), config.checkpoint_grid)
+        groups = list(self.layout.groups)
         eagle = config.eagle_mode if speculative else EagleMode.OFF
         self.coordinator = HybridCoordinator(self.layout, eagle, drop_rule=config.drop_rule)
         self.planner = CheckpointPlanner(self.coordinator, make_retention(
-            config.retention, self.layout.alignment, state_bytes=state_page_bytes))
+            config.retention, self.layout.alignment, state_bytes=state_page_bytes, spacing=spacing))
         self.events = events if events is not None else EventSink(enabled=False)  # no consumer: keep nothing
         sizes = {"full": num_kv_blocks, "mamba": num_state_slots, "draft": num_kv_blocks}
         self.pools = [BlockPool(sizes[spec.kind], g, self.events) for g, spec in enumerate(groups)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from cache_service.checkpoint_grid import parse_grid
 from cache_service.coordinator import EagleMode
 from cache_service.eviction import EvictionConfig, EvictionError
 from cache_service.hit_finders import DropRule
@@ -17,7 +18,12 @@ from workers.engine.errors import EngineConfigError
 class EngineConfig:
     max_model_len: int = 8192
     kv_block_size: int = 16  # attention KV block (target and draft pools)
-    mamba_block_size: int = 64  # Mamba checkpoint granularity; alignment = lcm with kv_block_size
+    # grid mamba: the Mamba checkpoint granularity (alignment = lcm with kv_block_size); grid
+    # attention: an upper bound on the spacing of states, which sit on the KV block grid
+    mamba_block_size: int = 64
+    # where Mamba states may sit: mamba (on mamba_block_size) | attention (on kv_block_size, as
+    # vLLM 0.33: the Mamba page only sets bytes; cache_service/checkpoint_grid.py)
+    checkpoint_grid: str = "mamba"
     cache_memory_bytes: int = 256 * 2**20  # KV + draft KV + Mamba state pools together
     mamba_memory_fraction: float = 0.25  # share of the budget for Mamba state pages
     # host tier (cache_service/host_tier.py): bytes of host memory for pages the device evicts, split
@@ -83,8 +89,12 @@ class EngineConfig:
             DropRule(self.drop_rule)
         except ValueError:
             raise EngineConfigError(f"drop_rule must be lookahead or alignment, got {self.drop_rule!r}") from None
+        try:
+            parse_grid(self.checkpoint_grid)
+        except SpecError as exc:
+            raise EngineConfigError(str(exc)) from None
         try:  # state_bytes 1: the real page size is known once the model is loaded
-            make_retention(self.retention, math.lcm(self.kv_block_size, self.mamba_block_size), state_bytes=1)
+            make_retention(self.retention, self.alignment, state_bytes=1)
         except SpecError as exc:
             raise EngineConfigError(f"retention: {exc}") from None
         try:
@@ -102,6 +112,19 @@ class EngineConfig:
             raise EngineConfigError(f"cuda_graphs: on needs a CUDA device, not {self.device!r}")
         if self.kernels not in ("auto", "torch", "cuda"):
             raise EngineConfigError(f"kernels must be auto, torch or cuda, got {self.kernels!r}")
+
+    @property
+    def alignment(self) -> int:
+        """Every hit and every Mamba state is a multiple of this: the KV block on the attention grid."""
+        if self.checkpoint_grid.strip().lower() == "attention":
+            return self.kv_block_size
+        return math.lcm(self.kv_block_size, self.mamba_block_size)
+
+    @property
+    def checkpoint_spacing(self) -> int:
+        """On the attention grid: the upper bound on the spacing of states (0: none)."""
+        spacing = math.lcm(self.kv_block_size, self.mamba_block_size)
+        return spacing if self.checkpoint_grid.strip().lower() == "attention" and spacing > self.kv_block_size else 0
 
     @property
     def torch_dtype(self):

@@ -68,13 +68,15 @@ class HandoffEngineSpec:
     eagle_mode: str  # "off" without speculation
     group_kinds: tuple[str, ...]
     tp_size: int = 1  # a TP replica's pages are per-rank shards: only an equal TP size can take them
+    checkpoint_grid: str = "mamba"  # where states sit, so where positions (and the boundaries) fall
 
     @classmethod
     def of(cls, engine: LLMEngine) -> HandoffEngineSpec:
         cache, config = engine.cache, engine.config
         return cls(config.model_fingerprint, config.dtype, config.kv_block_size, config.mamba_block_size,
                    cache.num_spec_tokens, cache.coordinator.eagle.value,
-                   tuple(spec.kind for spec in cache.layout.groups), getattr(cache.caches, "tp_size", 1))
+                   tuple(spec.kind for spec in cache.layout.groups), getattr(cache.caches, "tp_size", 1),
+                   config.checkpoint_grid)
 
     def check_matches(self, here: HandoffEngineSpec) -> None:
         """Raise `HandoffError` naming the first field that differs (self: the exporter's)."""
