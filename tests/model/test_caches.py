@@ -74,7 +74,7 @@ def test_batch_validation(model, chunks, ids, match):
 
 
 def test_forward_counts_rows_and_declared_prompt_rows_and_tp_commands_carry_them(model):
-    from workers.model.tensor_parallel import decode_batch, encode_batch
+    from workers.model.tp_commands import decode_batch, encode_batch
 
     caches = model.allocate_caches(4, 16, 3)
     chunks = (SeqChunk(0, 5, torch.tensor([0]), 0), SeqChunk(7, 1, torch.tensor([1]), 1))

@@ -20,7 +20,7 @@ from workers.model.errors import ForwardBatchError, TensorParallelError
 from workers.model.forward_batch import ForwardBatch, SeqChunk
 from workers.model.kernels import TORCH_KERNELS
 from workers.model.loader import load_model
-from workers.model.tensor_parallel import TPCommand
+from workers.model.tp_commands import TPCommand
 from workers.model.tp_shard import shard_model, validate_tp_size
 from workers.tp_worker import launch_local_tp
 
