@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from workers.model.config_mapping import NOT_NEMOTRON_FIELDS, map_config
+from workers.model.config_fields import NOT_NEMOTRON_FIELDS
+from workers.model.config_mapping import map_config
 from workers.model.errors import ConfigError, MissingFileError, UnsupportedLayerError
 
 
