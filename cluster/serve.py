@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.cache_profile import backend_cache_profile
-from cluster.config import ConfigError, ServeConfig, load_config
+from cluster.config import ConfigError, ServeConfig
+from cluster.config_loader import load_config
 
 log = logging.getLogger("hybridserve.serve")
 

@@ -63,7 +63,7 @@ def make_variants(config_path: str | Path, overrides: tuple[str, ...] = (), axes
     """The baseline first, then one variant per other value on each of `axes` (`pd`: the `pd`
     split, on the baseline's other settings, against the baseline's P + D mixed replicas;
     `pd_cpus`: the split's prefill and decode CPU lists, its replicas pinned to them)."""
-    from cluster.config import load_config
+    from cluster.config_loader import load_config
 
     unknown = sorted(set(axes) - {*AXES, PD_AXIS})
     if unknown:

@@ -1,7 +1,8 @@
 import pytest
 
 from cache_service.coordinator import EagleMode
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
+from cluster.config_loader import load_config
 
 
 def test_shipped_configs_load():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from tests.conftest import make_prompt
 from workers.engine.sampling_params import SamplingParams
 

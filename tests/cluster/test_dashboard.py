@@ -146,7 +146,7 @@ def test_promql_parsing():
 def metrics_text(tiny_dir, tmp_path_factory):
     """`/metrics` of `hybridserve serve`'s app on a 1-replica Ray cluster, after a cold request, its
     resend (a prefix hit) and a streamed request."""
-    from cluster.config import load_config
+    from cluster.config_loader import load_config
     from cluster.http.local_server import serve_app
     from cluster.serve import build_app
 

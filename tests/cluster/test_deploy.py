@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from cluster.serve_args import parse_serve_args
 
 REPO = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from cluster.http.local_server import serve_app
 from tests.conftest import make_prompt
 

@@ -75,7 +75,7 @@ def test_pd_variants_hold_the_replica_count():
         assert {"cluster.num_replicas=4", "cluster.min_replicas=4", "cluster.max_replicas=4"} <= set(v.overrides)
     assert not any("cluster.pd" in o for o in mixed.overrides)
     assert {"cluster.pd.num_prefill=2", "cluster.pd.num_decode=2"} <= set(pd.overrides)
-    from cluster.config import load_config  # what the server will load
+    from cluster.config_loader import load_config  # what the server will load
 
     assert load_config("configs/local.yaml", list(pd.overrides)).cluster.pd.num_decode == 2
     assert not load_config("configs/local.yaml", list(mixed.overrides)).cluster.pd.enabled

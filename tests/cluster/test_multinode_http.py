@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.fault_doubles import kill_cache_service
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from tests.cluster.test_frontend_http import serve_app
 from tests.conftest import make_prompt
 from workers.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from cluster.http.local_server import serve_app
 from cluster.serve import build_app
 from tests.cluster.hf_checkpoint import make_hf_checkpoint

@@ -4,7 +4,8 @@ with one clear error naming the key."""
 
 import pytest
 
-from cluster.config import ConfigError, PDConfig, load_config
+from cluster.config import ConfigError, PDConfig
+from cluster.config_loader import load_config
 from cluster.serve_args import parse_serve_args
 
 

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
+from cluster.config_loader import load_config
 from cluster.loadtest.__main__ import _parser as build_parser
 from cluster.loadtest.compare import make_variants
 from workers.cpu_affinity import CpuListError, parse_cpu_list, pin_this_process

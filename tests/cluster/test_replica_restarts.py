@@ -348,7 +348,8 @@ def test_delays_and_config_validation():
 
 
 def test_yaml_keys_reach_the_restart_config_and_bad_values_name_the_key():
-    from cluster.config import ConfigError, load_config
+    from cluster.config import ConfigError
+    from cluster.config_loader import load_config
 
     config = load_config(None, ["cluster.restart.backoff_initial_s=2", "cluster.restart.backoff_max_s=30"])
     assert config.cluster.restart == ReplicaRestartConfig(backoff_initial_s=2.0, backoff_max_s=30.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster import serve
-from cluster.config import load_config
+from cluster.config_loader import load_config
 from cluster.serve_args import check_port_free, parse_serve_args
 
 ROOT = Path(__file__).resolve().parents[2]
