@@ -14,6 +14,7 @@ import json
 import sys
 
 from cache_service.cacheability import CacheProfile, cache_profile
+from cache_service.checkpoint_grid import on_grid
 from cache_service.coordinator import EagleMode
 from cache_service.hit_finders import DropRule
 from cache_service.miss_reasons import LookupReport, describe_reason
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention", default="latest",
                    help="latest | dense | N (a multiple of the alignment) | value:BYTES (placement by expected "
                         "value; with one prompt and its resend nothing is learned yet, so it keeps what latest does)")
+    p.add_argument("--checkpoint-grid", default="mamba",
+                   help="where Mamba states sit: mamba (each Mamba group's block: older engines, default) | "
+                        "attention (the KV block, as vLLM 0.33; the Mamba block only bounds the spacing)")
     p.add_argument("--prompt-len", required=True, help="cold prompt length in tokens")
     p.add_argument("--resend-len", default=None, help="resend length (default: = prompt len; larger extends it)")
     p.add_argument("--num-spec-tokens", default=None, help="draft tokens per step (default 3 with EAGLE, else 0)")
@@ -94,12 +98,16 @@ def parse_scenario(argv: list[str]) -> tuple[Scenario, bool]:
         drop_rule = DropRule(args.drop_rule.strip().lower())
     except ValueError:
         raise UsageError(f"--drop-rule must be lookahead or alignment, got {args.drop_rule!r}") from None
-    make_retention(args.retention, layout.alignment, state_bytes_of(layout))  # validate early
+    try:
+        layout, spacing = on_grid(layout, args.checkpoint_grid)
+    except SpecError as exc:
+        raise UsageError(f"--checkpoint-grid: {exc}") from None
+    make_retention(args.retention, layout.alignment, state_bytes_of(layout), spacing=spacing)  # validate early
     scenario = Scenario(
         groups=groups, prompt_len=prompt_len, resend_len=resend_len, eagle=eagle, draft_groups=draft,
         drop_rule=drop_rule,
         retention=args.retention, num_spec_tokens=k, eagle_aware_retention=not args.no_eagle_aware_retention,
-        cache_salt=args.cache_salt,
+        cache_salt=args.cache_salt, checkpoint_grid=args.checkpoint_grid.strip().lower(),
     )
     return scenario, args.verbose
 
@@ -108,7 +116,8 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
     result = simulate(scenario, explain=verbose)
     layout, coord = scenario.layout, result.coordinator
     resend = result.resend
-    profile = cache_profile(coord, make_retention(scenario.retention, layout.alignment, state_bytes_of(layout)))
+    profile = cache_profile(coord, make_retention(scenario.retention, layout.alignment, state_bytes_of(layout),
+                                                  spacing=scenario.spacing))
     out = {
         "groups": layout.describe(),
         "alignment": layout.alignment,
@@ -119,6 +128,7 @@ def explain(scenario: Scenario, verbose: bool = False) -> dict:
         "dropping_groups": sorted(coord.dropping_groups),
         "drop_rule": coord.drop_rule.value,
         "retention": scenario.retention,
+        "checkpoint_grid": scenario.checkpoint_grid,
         "eagle_aware_retention": scenario.eagle_aware_retention,
         "prompt_len": scenario.prompt_len,
         "resend_len": resend.num_prompt_tokens,

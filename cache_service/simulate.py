@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from cache_service.block_hash import RequestBlockHashes
+from cache_service.checkpoint_grid import on_grid
 from cache_service.coordinator import EagleMode, HitResult, HybridCoordinator
 from cache_service.hit_finders import DropRule
 from cache_service.local_cache import LocalPrefixCache
@@ -36,10 +37,17 @@ class Scenario:
     vocab_size: int = 32000
     cache_salt: str | None = None
     num_blocks_per_group: tuple[int, ...] | None = None  # default: room for everything
+    checkpoint_grid: str = "mamba"  # where states sit: mamba | attention (checkpoint_grid.py)
 
     @property
     def layout(self) -> CacheLayout:
-        return CacheLayout(self.groups)
+        """The layout the cache runs: the groups with the Mamba grid moved as `checkpoint_grid` says."""
+        return on_grid(CacheLayout(self.groups), self.checkpoint_grid)[0]
+
+    @property
+    def spacing(self) -> int:
+        """The spacing bound on states the grid leaves (0: none)."""
+        return on_grid(CacheLayout(self.groups), self.checkpoint_grid)[1]
 
 
 @dataclass
@@ -100,7 +108,7 @@ def run_request(
 def simulate(scenario: Scenario, explain: bool = False) -> SimulationResult:
     layout = scenario.layout
     coordinator = HybridCoordinator(layout, scenario.eagle, scenario.draft_groups, scenario.drop_rule)
-    policy = make_retention(scenario.retention, layout.alignment, state_bytes_of(layout))
+    policy = make_retention(scenario.retention, layout.alignment, state_bytes_of(layout), spacing=scenario.spacing)
     planner = CheckpointPlanner(coordinator, policy, scenario.eagle_aware_retention)
     resend_len = scenario.prompt_len if scenario.resend_len is None else scenario.resend_len
     longest = max(scenario.prompt_len, resend_len)

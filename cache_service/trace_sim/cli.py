@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from cache_service.checkpoint_grid import GRIDS
 from cache_service.eviction import EVICTION_NAMES, EvictionConfig
 from cache_service.router import RouterConfig
 from cache_service.specs import SpecError
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which retained Mamba state goes under pressure: value, lru, marconi[:ALPHA] "
                         "(marconi alone: ALPHA tuned on the trace's first 10%%), or 'all'")
     p.add_argument("--eagle", default="off", choices=("off", "drop", "lossless"))
+    p.add_argument("--checkpoint-grid", default="mamba", choices=GRIDS,
+                   help="where Mamba states sit: mamba (each Mamba group's block, default) | attention (the "
+                        "KV block; the Mamba block only bounds the spacing, as engine.checkpoint_grid)")
     p.add_argument("--memory-gib", type=float, default=20.0, help="cache memory per replica (KV + state)")
     p.add_argument("--memory-share", type=float, default=None,
                    help="instead of --memory-gib: the cluster's cache memory as this share of the trace's "
@@ -102,7 +106,7 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
         mamba_fraction=args.mamba_fraction, host_bytes=host, seed=args.seed,
         router=RouterConfig(junction_credit=args.junction_credit),
         decode_model=args.decode_model or ("stepped" if args.pd_split else "independent"),
-        pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None)
+        pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None, checkpoint_grid=args.checkpoint_grid)
     alpha_scores = None
     if eviction == "marconi":  # no alpha given: tuned on the trace's first 10%, as the paper does
         alpha, alpha_scores = tune_marconi_alpha(settings, requests)

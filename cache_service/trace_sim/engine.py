@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cache_service.block_hash import RequestBlockHashes
+from cache_service.checkpoint_grid import on_grid
 from cache_service.coordinator import HitResult, HybridCoordinator
 from cache_service.eviction import EvictionConfig
 from cache_service.eviction_policy import RecomputeCost
@@ -63,6 +64,7 @@ class SimSettings:
     # decode steps with interference and per-token latencies (step_timeline.py, stepped_engine.py)
     decode_model: str = "independent"
     pd_split: PdSplit | None = None  # prefill and decode replicas (stepped only); None: mixed
+    checkpoint_grid: str = "mamba"  # where states sit: mamba | attention (cache_service/checkpoint_grid.py)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -123,13 +125,13 @@ class Served:
 class ClusterSim:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
-        layout = settings.layout.layout
+        layout, spacing = on_grid(settings.layout.layout, settings.checkpoint_grid)
         self.coordinator = HybridCoordinator(layout, settings.eagle)
         pages = settings.layout.page_bytes
         self._state_bytes = sum(p for g, p in zip(layout.groups, pages) if not g.is_attention)
         self.eviction = EvictionConfig(settings.eviction, settings.layout.attention_crossover_tokens)
         retention = make_retention(settings.retention, layout.alignment, self._state_bytes,
-                                   RecomputeCost(settings.layout.attention_crossover_tokens))
+                                   RecomputeCost(settings.layout.attention_crossover_tokens), spacing)
         self.planner = CheckpointPlanner(self.coordinator, retention)
         state_page = max((p for g, p in zip(layout.groups, pages) if not g.is_attention), default=1)
         self.index = GlobalIndex(len(layout.groups))

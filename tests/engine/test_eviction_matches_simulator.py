@@ -73,18 +73,29 @@ def test_the_engine_places_what_the_simulator_places(tiny_model):
     assert num_placed >= 2
 
 
-def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str) -> tuple[int, int]:
+@pytest.mark.heavy
+def test_on_the_attention_grid_too(tiny_model):
+    """`engine.checkpoint_grid: attention`: states on the 16-token grid, one at least every 64."""
+    _, num_placed = run_both(tiny_model, 3, "lossless", "value", "latest", grid="attention")
+    assert num_placed >= 10  # the spacing bound's grid states
+
+
+def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str,
+             grid: str = "mamba") -> tuple[int, int]:
     """Serve `history(3)` on the engine and on a simulated replica, comparing after every request;
     returns the spare KV blocks seen and the grid positions planned, summed over requests."""
     page = tiny_model.state_bytes_per_slot()
     memory = 24 * 2**20
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, eviction=eviction, retention=retention,
+                         checkpoint_grid=grid,
                          max_model_len=1024, cache_memory_bytes=memory, mamba_memory_fraction=0.3,
                          checkpoint_memory_fraction=3 * page / memory + 1e-9)  # 3 retained states
     cache = engine.cache
     assert (cache.mamba.eviction.name, cache.mamba.max_retained_pages) == (eviction, 3)
     coord = HybridCoordinator(cache.layout, cache.coordinator.eagle, drop_rule=DropRule(engine.config.drop_rule))
-    planner = CheckpointPlanner(coord, make_retention(retention, cache.layout.alignment, state_bytes=page))
+    assert cache.layout.alignment == (16 if grid == "attention" else 64)
+    planner = CheckpointPlanner(coord, make_retention(retention, cache.layout.alignment, state_bytes=page,
+                                                      spacing=engine.config.checkpoint_spacing))
     sizes = [pool.num_blocks for pool in cache.pools]
     replica = SimReplica("r", coord, planner, sizes, index=None, eviction=EvictionConfig(eviction),
                          state_page_bytes=cache.mamba.page_size_bytes, max_retained_pages=3)
