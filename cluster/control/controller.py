@@ -13,12 +13,13 @@
                       `ReplicaRestarter`, which replaces each dead replica of the fixed count
                       (crash-loop backoff). Never both.
 
-Front doors (`ClusterBackend`) find it by name: a restarted front door or driver reattaches to
-the running cluster instead of starting another. Replicas (with their placement groups) and the
-cache service are detached named actors, so they outlive any front door and the controller itself.
+Front doors (`ClusterBackend`) find it by name (`control.controller_handle`): a restarted front
+door or driver reattaches to the running cluster instead of starting another. Replicas (with their
+placement groups) and the cache service are detached named actors, so they outlive any front door
+and the controller itself.
 
-Restarts: Ray restarts a dead controller (`CONTROLLER_MAX_RESTARTS`) with the same arguments, and
-`__init__` rebuilds from what is running, not from anything it kept:
+Restarts: Ray restarts a dead controller (`controller_handle.CONTROLLER_MAX_RESTARTS`) with the same
+arguments, and `__init__` rebuilds from what is running, not from anything it kept:
 
     replicas        found by name and adopted (`ReplicaSet.adopt`): the same actors, none started
                     twice; one that does not answer is stopped, as is a placement group without
@@ -43,7 +44,6 @@ import threading
 import time
 
 import ray
-from ray.exceptions import ActorUnavailableError
 
 from cache_service.router import RouterConfig
 from cluster.config import ClusterConfig
@@ -66,24 +66,6 @@ from cluster.messages import (
 )
 
 log = logging.getLogger(__name__)
-
-CONTROLLER_MAX_RESTARTS = -1  # Ray restarts a dead controller, always (as Ray Serve's own controller)
-READY_TIMEOUT_S = 300.0  # a first start loads every replica's model; a restart adopts them
-
-
-def wait_until_ready(controller, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Block until `controller` (a handle) answers. While Ray restarts it, calls fail with
-    `ActorUnavailableError`: asked again until `timeout_s`. A controller dead for good raises."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get(controller.ready.remote(), timeout=max(deadline - time.monotonic(), 0.1))
-            return
-        except ActorUnavailableError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
-
 
 class ClusterController:
     def __init__(self, cluster_name: str, model_dir: str, engine_config, config: ClusterConfig,
@@ -317,28 +299,3 @@ class ClusterController:
                 ray.kill(shard, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-
-
-class AutoscalerProxy:
-    """The controller's autoscaler seen from a front door (it runs in the controller)."""
-
-    def __init__(self, controller, before, on_change) -> None:
-        self.controller = controller
-        self.before = before  # this front door's requests counted as of now
-        self.on_change = on_change  # this front door sees the result at once
-
-    def step(self):
-        self.before()
-        event = ray.get(self.controller.autoscale_step.remote())
-        self.on_change()
-        return event
-
-    @property
-    def history(self) -> list:
-        return ray.get(self.controller.autoscale_history.remote())
-
-    def start(self) -> None:
-        """Already running in the controller."""
-
-    def stop(self) -> None:
-        """Stops with the controller."""

@@ -3,8 +3,11 @@
 per concept:
 
     controller      (control/controller.py, a detached named actor: found, or started by the first
-                    front door) replica lifecycle, health, autoscaling, warm-up, transfers
+                    front door, `control/controller_handle.py`) replica lifecycle, health,
+                    autoscaling, warm-up, transfers
     MembershipView  (membership.py)      the replicas' handles, refreshed from the controller
+    PlacementMixin  (placement.py)       where an attempt runs: route, reserve, move pages first;
+                                         with `cluster.pd` the decode leg too
     RoutingClient   (routing_client.py)  decides on this front door's read replica of the index
                                          (or one cache-service call per batch); by load while the
                                          service is down
@@ -41,26 +44,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cache_service.router import RouterConfig
-from cache_service.transfer_plan import plan_transfer
 from cluster.config import ClusterConfig
-from cluster.control.controller import CONTROLLER_MAX_RESTARTS, AutoscalerProxy, ClusterController, wait_until_ready
+from cluster.control.controller_handle import AutoscalerProxy, attach_or_start, stop_controller, wait_until_ready
 from cluster.frontdoor.decode_handoffs import DecodeHandoffs
 from cluster.frontdoor.hot_prefixes import HotPrefixes
 from cluster.frontdoor.index_check import index_problems
 from cluster.frontdoor.membership import MemberReplica, MembershipView
 from cluster.frontdoor.page_mover import PageMover
+from cluster.frontdoor.placement import PlacementMixin
 from cluster.frontdoor.request_streams import Job, ReplicaFailedError, serve_request
 from cluster.frontdoor.routing_client import RoutingClient
 from cluster.frontdoor.status import ClusterStatus, DoorMetrics, ReplicaEngineStats
-from cluster.http.metrics import route_reason
-from cluster.ids import controller_name, new_cluster_name, new_frontdoor_id, new_request_id
+from cluster.ids import new_cluster_name, new_frontdoor_id, new_request_id
 from workers.engine.errors import InvalidRequestError, ServerOverloadedError, validate_prompt
 from workers.engine.request import RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ MEMBERSHIP_INTERVAL_S = 0.5
 __all__ = ["ClusterBackend", "ReplicaFailedError"]
 
 
-class ClusterBackend:
+class ClusterBackend(PlacementMixin):
     def __init__(self, model_dir: str, engine_config, config: ClusterConfig | None = None,
                  router: RouterConfig | None = None, replica_cls: type = TransferReplica) -> None:
         """Attach to the cluster named `config.name` if its controller runs; else start it (a
@@ -88,20 +88,8 @@ class ClusterBackend:
         self.router = router or RouterConfig()
         self.name = self.config.name or new_cluster_name()
         self.namespace = ray.get_runtime_context().namespace
-        try:
-            self.controller = ray.get_actor(controller_name(self.name), namespace=self.namespace)
-            self.owns_cluster = False
-        except ValueError:
-            # on this front door's node: Ray puts an actor needing no resources on a random node under
-            # any strategy but a hard affinity (off the head in 2 of 3 bed runs without, or with a soft
-            # one); a restart needs that node, which the driver that started the cluster runs on
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            self.controller = ray.remote(ClusterController).options(
-                name=controller_name(self.name), namespace=self.namespace, lifetime="detached", num_cpus=0,
-                max_concurrency=64, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=0, get_if_exists=True,
-                scheduling_strategy=here,
-            ).remote(self.name, model_dir, engine_config, self.config, self.router, replica_cls)
-            self.owns_cluster = True
+        self.controller, self.owns_cluster = attach_or_start(self.name, self.namespace, model_dir, engine_config,
+                                                             self.config, self.router, replica_cls)
         wait_until_ready(self.controller)
         self.replicas = MembershipView(self.controller)
         self._lock = threading.RLock()
@@ -160,6 +148,11 @@ class ClusterBackend:
             ray.get(self.controller.report_failure.remote(replica_id, reason), timeout=60)
         except Exception:  # noqa: BLE001 - the controller's health checks find it anyway
             log.warning("could not report %s to the controller", replica_id)
+
+    def warm(self, replica_id: str, limit: int | None = None) -> int:
+        """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""
+        ray.get(self.controller.note_hot.remote(self.hot.items()))
+        return ray.get(self.controller.warm.remote(replica_id, limit))
 
     @property
     def replica_ids(self) -> list[str]:
@@ -241,82 +234,6 @@ class ClusterBackend:
         self.hot.remember(job.msg.prompt_token_ids, job.msg.cache_salt)
         self.mover.observe_output(job.prefilled_by or job.served_by, output)  # the prefill's speed
 
-    @property
-    def disaggregated(self) -> bool:
-        return self.config.pd.enabled
-
-    @property
-    def handoff_counts(self) -> dict[str, int]:
-        return self.handoffs.counts
-
-    def hand_off(self, job: Job, src: str) -> str:
-        """`request_streams.FrontDoor.hand_off` (`decode_handoffs.DecodeHandoffs`, as the three below)."""
-        return self.handoffs.hand_off(self.controller, job, src, self.release)
-
-    def reserve_decoder(self, job: Job) -> None:
-        self.handoffs.reserve(job)
-
-    def drop_decoder(self, job: Job) -> None:
-        self.handoffs.drop(job, self.release)
-
-    def prefill_progress(self, job: Job, src: str, position: int) -> None:
-        self.handoffs.progress(self.controller, job, src, position, self.limits["alignment"])
-
-    def place(self, job: Job, exclude: tuple[str, ...]) -> str:
-        """Route, reserve this front door's count on the target, move pages if planned; the target.
-        With `cluster.pd`, among the prefill replicas only. Raises `NoReplicaError`."""
-        if job.forced is not None and self.replicas.get(job.forced) is None:
-            try:
-                self.replicas.refresh()  # a replica this front door has not heard of yet (just added)
-            except Exception:  # noqa: BLE001 - the controller restarting: route among those known
-                log.debug("membership refresh failed", exc_info=True)
-        with self._lock:
-            inflight = {r: rep.num_inflight for r, rep in self.replicas.replicas.items()
-                        if not rep.draining and rep.role != "decode"}
-            if self.disaggregated:  # the service's own pick must be a prefill replica too
-                exclude = exclude + tuple(r for r, rep in self.replicas.replicas.items() if rep.role == "decode")
-        role = "prefill" if self.disaggregated else "mixed"
-        target, decision = self.routing.route(job.msg, inflight, job.forced, exclude, role=role)
-        with self._lock:
-            rep = self.replicas.get(target)
-            if rep is not None:  # else gone meanwhile: the attempt fails over
-                rep.num_inflight += 1
-        if self.metrics is not None:
-            self.metrics.record_route(self.router.policy if decision else "load_only", target,
-                                      route_reason(decision, target, job.forced))
-        self.on_routed(job.msg, decision, target)
-        if decision is not None:
-            move = plan_transfer(decision, target)
-            if move is not None and self.mover.worth_moving(*move):
-                self.transfer(list(job.msg.prompt_token_ids), job.msg.cache_salt, *move)
-            elif move is not None and self.metrics is not None:
-                self.metrics.record_transfer_skipped()
-        return target
-
-    def on_routed(self, msg: GenerateMsg, decision, target: str) -> None:
-        """Called between routing a request and moving pages / serving it (a seam for test doubles)."""
-
-    def release(self, replica_id: str) -> None:
-        with self._lock:
-            rep = self.replicas.get(replica_id)
-            if rep is not None:
-                rep.num_inflight -= 1
-
-    def transfer(self, prompt_token_ids: list[int], cache_salt: str | None, src: str, dst: str,
-                 num_tokens: int) -> bool:
-        """Move the pages of a `num_tokens` hit src -> dst now (`page_mover.PageMover.move`). False
-        on any failure (the request recomputes)."""
-        t0 = time.perf_counter()
-        result = self.mover.move(prompt_token_ids, cache_salt, src, dst, num_tokens)
-        if self.metrics is not None:
-            self.metrics.record_transfer(result.ok, time.perf_counter() - t0, result.num_bytes)
-        return result.ok
-
-    def warm(self, replica_id: str, limit: int | None = None) -> int:
-        """Copy the hottest known prefixes onto `replica_id` from their holders. Returns transfers done."""
-        ray.get(self.controller.note_hot.remote(self.hot.items()))
-        return ray.get(self.controller.warm.remote(replica_id, limit))
-
     # ---- status ---------------------------------------------------------------------------------
     @property
     def counters(self) -> dict:
@@ -348,12 +265,4 @@ class ClusterBackend:
             self.abort(job.msg.request_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if stop_cluster if stop_cluster is not None else self.owns_cluster:
-            try:  # a restarting controller first: the replicas and the service are detached, it stops them
-                wait_until_ready(self.controller, 60)
-                ray.get(self.controller.shutdown.remote(), timeout=60)
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                ray.kill(self.controller, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            stop_controller(self.controller)
