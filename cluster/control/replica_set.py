@@ -11,8 +11,9 @@ its replacement, so the autoscaler's count is the number of live actors.
 
 Replica actors and their placement groups are detached and named (`cluster.ids`): they outlive
 the controller that started them, and a restarted controller takes them over (`adopt`), as Ray
-Serve's controller recovers its replicas by name. Anything of the cluster's it does not adopt is
-stopped, and `shutdown` stops every one of them, adopted or not.
+Serve's controller recovers its replicas by name (`replica_actors.py`: found by name, stopped).
+Anything of the cluster's it does not adopt is stopped, and `shutdown` stops every one of them,
+adopted or not.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import ClusterConfig
+from cluster.control.replica_actors import named_replicas, replica_groups, stop_replica
 from cluster.control.replica_count import REMOVED
 from cluster.ids import (
     placement_group_name,
     replica_actor_name,
-    replica_actor_prefix,
     replica_id,
     replica_number,
     service_name,
@@ -111,12 +112,12 @@ class ReplicaSet:
             ray.get([a.set_transfer_secret.remote(self.secret) for _, a, _ in started])
         except Exception:
             for _, actor, pg in started:  # a replica that cannot start must not hold its placement group
-                self._stop(actor, pg)
+                stop_replica(actor, pg)
             raise
         out = []
         for (rid, actor, pg), info in zip(started, infos):
             if self.fingerprint is not None and info.fingerprint != self.fingerprint:
-                self._stop(actor, pg)
+                stop_replica(actor, pg)
                 raise RuntimeError(f"{rid} loaded a different model ({info.fingerprint})")
             self.fingerprint = info.fingerprint
             if before_listed is not None:
@@ -171,7 +172,7 @@ class ReplicaSet:
         no adopted replica sits in are removed. Adopted replicas get this set's transfer secret.
         New ids continue past every id seen (`known_ids`: the cache service's too): none is reused.
         Returns the adopted ids."""
-        found, groups = self._named_replicas(), self._replica_groups()
+        found, groups = named_replicas(self.cluster_name, self.namespace), replica_groups(self.service_name)
         seen = [replica_number(r) for r in (*known_ids, *found, *groups)]
         self._ids = itertools.count(max((n for n in seen if n is not None), default=-1) + 1)
         refs = {rid: actor.describe.remote() for rid, actor in found.items()}
@@ -188,7 +189,7 @@ class ReplicaSet:
                 ray.get(actor.set_transfer_secret.remote(self.secret), timeout=CONTROL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - not adopted: stopped, never left running unseen
                 log.warning("replica %s not adopted (%s): stopping it", rid, exc)
-                self._stop(actor, pg)
+                stop_replica(actor, pg)
                 continue
             self.fingerprint = info.fingerprint
             with self._lock:
@@ -196,38 +197,10 @@ class ReplicaSet:
             adopted.append(rid)
         for rid, pg in groups.items():  # its replica is gone: nothing may hold its resources
             log.warning("placement group of %s has no replica: removing it", rid)
-            self._stop(None, pg)
+            stop_replica(None, pg)
         if adopted:
             log.info("replicas adopted: %s", ", ".join(adopted))
         return adopted
-
-    def _named_replicas(self) -> dict[str, object]:
-        """This cluster's live replica actors, by id (found by their names)."""
-        prefix = replica_actor_prefix(self.cluster_name)
-        out = {}
-        for name in ray.util.list_named_actors():
-            n = replica_number(name, prefix)
-            if n is not None:
-                try:
-                    out[replica_id(n)] = ray.get_actor(name, namespace=self.namespace)
-                except ValueError:  # died meanwhile
-                    pass
-        return out
-
-    def _replica_groups(self) -> dict[str, object]:
-        """This cluster's replica placement groups not removed yet, by replica id."""
-        from ray.util.placement_group import get_placement_group, placement_group_table
-
-        prefix = placement_group_name(self.service_name, replica_id(0))[:-1]
-        out = {}
-        for group in placement_group_table().values():
-            n = replica_number(group.get("name") or "", prefix)
-            if n is not None and group.get("state") != "REMOVED":
-                try:
-                    out[replica_id(n)] = get_placement_group(group["name"])
-                except ValueError:  # removed meanwhile
-                    pass
-        return out
 
     def purge(self, replica_id: str, reason: str) -> bool:
         """Forget and stop a replica (`reason`: REMOVED when on purpose, else why it was purged:
@@ -246,25 +219,10 @@ class ReplicaSet:
                 ray.get(rep.actor.shutdown.remote(), timeout=5)
             except Exception:  # noqa: BLE001 - stopping it anyway
                 pass
-        self._stop(rep.actor, rep.placement_group)
+        stop_replica(rep.actor, rep.placement_group)
         if self._on_purge is not None:
             self._on_purge(replica_id, reason)
         return True
-
-    @staticmethod
-    def _stop(actor, pg) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        try:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001
-                pass
 
     # ---- health -----------------------------------------------------------------------------
     def check_health(self, max_missed: int = 3, timeout_s: float = CONTROL_TIMEOUT_S) -> list[str]:
@@ -312,12 +270,12 @@ class ReplicaSet:
         except Exception:  # noqa: BLE001
             pass
         for rep in reps:
-            self._stop(rep.actor, rep.placement_group)
+            stop_replica(rep.actor, rep.placement_group)
         try:
-            groups = self._replica_groups()
-            for rid, actor in self._named_replicas().items():
-                self._stop(actor, groups.pop(rid, None))
+            groups = replica_groups(self.service_name)
+            for rid, actor in named_replicas(self.cluster_name, self.namespace).items():
+                stop_replica(actor, groups.pop(rid, None))
             for pg in groups.values():
-                self._stop(None, pg)
+                stop_replica(None, pg)
         except Exception:  # noqa: BLE001 - Ray going down meanwhile
             log.debug("replica sweep at shutdown failed", exc_info=True)
