@@ -17,7 +17,8 @@ size: the table issue 28 asks for, with its checks.
               on a prefix, which `simulate` does)
 
 Checks printed under the table (and in the JSON's `checks`):
-    value >= marconi          on every (trace, R, share), both at `latest`
+    value >= marconi          on every (trace, R, share), both at `latest`; and value with
+                              placement (value:3e8) against the same Marconi
     value >= 1.5 x lru        at the 25% share, both at `latest`
     grid >= latest            dense, 512 and value:3e8 under value, every budget
 
@@ -97,6 +98,10 @@ def checks(rows: list[dict]) -> list[dict]:
         if "latest/marconi" in hits:
             out.append(dict(where, check="value >= marconi", left=value, right=hits["latest/marconi"],
                             holds=value >= hits["latest/marconi"]))
+            placed = hits.get(f"{PLACED}/value")
+            if placed is not None:  # ours with placement too (Marconi's admission is latest's positions)
+                out.append(dict(where, check=f"{PLACED}/value >= marconi", left=placed,
+                                right=hits["latest/marconi"], holds=placed >= hits["latest/marconi"]))
         if share == 0.25 and "latest/lru" in hits:
             out.append(dict(where, check="value >= 1.5 x lru", left=value, right=1.5 * hits["latest/lru"],
                             holds=value >= 1.5 * hits["latest/lru"]))

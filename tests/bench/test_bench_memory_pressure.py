@@ -41,14 +41,16 @@ def test_checks_compare_the_right_cells_and_report_failures():
             row("t", 0.5, "latest", "lru", 0.2), row("t", 0.5, "latest", "value", 0.21)]
     found = {(c["share"], c["check"]): c for c in checks(rows)}
     assert set(found) == {(0.25, "value >= marconi"), (0.25, "value >= 1.5 x lru"),
-                          (0.25, "dense/value >= latest/value"), (0.25, "value:3e8/value >= latest/value")}
+                          (0.25, "dense/value >= latest/value"), (0.25, "value:3e8/value >= latest/value"),
+                          (0.25, "value:3e8/value >= marconi")}
     assert found[(0.25, "value >= marconi")]["holds"]
     assert not found[(0.25, "value >= 1.5 x lru")]["holds"]  # 0.14 < 0.15
     assert found[(0.25, "value >= 1.5 x lru")]["right"] == 1.5 * 0.10
     assert not found[(0.25, "dense/value >= latest/value")]["holds"]
     assert found[(0.25, "value:3e8/value >= latest/value")]["holds"]
+    assert found[(0.25, "value:3e8/value >= marconi")]["holds"]  # 0.15 >= 0.12
     table = markdown(rows, checks(rows))
-    assert "checks: 2 of 4 hold" in table
+    assert "checks: 3 of 5 hold" in table
     assert "fails: value >= 1.5 x lru on t R=1 share 0.25" in table
     assert "| t | 1 | 0.25 | 0.1000 | 0.1200 | 0.1400 | 0.1300 | 0.1500 |" in table
 
