@@ -9,7 +9,8 @@
                re-keyings (tau doubled or halved), its median the heap alone.
     simulator  `hybridserve simulate` on the shipped trace (R=1, 96 GiB, dense retention: the most
                evictions) with each policy: simulated requests per CPU second, and value's as a
-               ratio of lru's (target >= 0.8).
+               ratio of lru's (target >= 0.8); and with placement by expected value (value:3e8,
+               its dynamic program per request) under value, as a ratio of lru's on dense.
 
 Prints a table and writes JSON (--out). Timings are ratios within one run; the machine is shared.
 """
@@ -78,16 +79,16 @@ def decision_cost(policy_name: str, num_states: int, num_decisions: int, seed: i
             "us_max": ordered[-1] * 1e6}
 
 
-def simulator_rate(eviction: str, limit: int) -> dict:
+def simulator_rate(eviction: str, limit: int, retention: str = "dense") -> dict:
     settings = SimSettings(load_layout("nemotron-nano-9b-v2"), load_cost_model("gpu"), 1, "hybrid",
-                           96 * 2**30, retention="dense", eviction=eviction)
+                           96 * 2**30, retention=retention, eviction=eviction)
     requests = load_trace(DEFAULT_TRACE, limit)
     sim = ClusterSim(settings)
     cpu = time.process_time()
     records = sim.run(requests)
     cpu = time.process_time() - cpu
     num_input = sum(r.input_tokens for r in records)
-    return {"eviction": eviction, "num_requests": len(records), "cpu_s": cpu,
+    return {"eviction": eviction, "retention": retention, "num_requests": len(records), "cpu_s": cpu,
             "requests_per_cpu_s": len(records) / cpu if cpu else 0.0,
             "hit_rate": sum(r.hit_tokens for r in records) / num_input if num_input else 0.0}
 
@@ -116,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['us_p99']:>8.2f} {r['us_max']:>10.0f}", file=sys.stderr)
     if args.sim_requests:
         sims = [simulator_rate(name, args.sim_requests) for name in ("lru", "value")]
+        sims.append(simulator_rate("value", args.sim_requests, "value:3e8"))
         out["simulator"] = sims
         out["simulator_value_over_lru"] = sims[1]["requests_per_cpu_s"] / sims[0]["requests_per_cpu_s"]
+        out["simulator_placed_over_lru"] = sims[2]["requests_per_cpu_s"] / sims[0]["requests_per_cpu_s"]
         print(f"simulator: value {sims[1]['requests_per_cpu_s']:.0f} req/cpu-s, lru "
-              f"{sims[0]['requests_per_cpu_s']:.0f}: ratio {out['simulator_value_over_lru']:.2f}", file=sys.stderr)
+              f"{sims[0]['requests_per_cpu_s']:.0f}: ratio {out['simulator_value_over_lru']:.2f}; value with "
+              f"placement (value:3e8) {sims[2]['requests_per_cpu_s']:.0f}: ratio "
+              f"{out['simulator_placed_over_lru']:.2f}", file=sys.stderr)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
