@@ -10,8 +10,9 @@ retention always keeps, chosen under a per-request byte budget (`--retention val
                where matches have ended, below the prompt's end), maximizing value(chosen + B)
                with the boundaries B (replay, final, junctions and the EAGLE positions under them)
                always in: a dynamic program over the sorted candidates, as Sparse Prefix Caching's
-               (arXiv 2605.05219), with B as forced points. O(K * M^2) for M candidates; M is
-               capped at `max_candidates` (the ones with the highest cost(p) * S(p) alone).
+               (arXiv 2605.05219), with B as forced points, O(K * M) for M candidates by the
+               convex hull trick (`best_positions`); M is capped at `max_candidates` (the ones
+               with the highest cost(p) * S(p) alone).
 
 The chosen positions are grid states (`CheckpointPlanner.periodic`): eviction ranks them below every
 boundary state until they serve a hit, so placement adds to what `latest` keeps and never takes
@@ -31,7 +32,7 @@ from cache_service.retention_policies import RetentionPolicy
 from cache_service.specs import SpecError
 
 DEFAULT_WINDOW = 4096  # lookups the survival share is measured over
-DEFAULT_MAX_CANDIDATES = 64
+DEFAULT_MAX_CANDIDATES = 256
 
 
 @dataclass
@@ -80,43 +81,60 @@ class MatchDepthStats:
 def best_positions(candidates: list[tuple[int, float]], forced: Collection[int], budget: int,
                    cost: RecomputeCost, survival_at) -> tuple[int, ...]:
     """The at most `budget` candidate positions that maximize value(chosen + forced) (module doc).
-    `candidates`: (p, S(p)) ascending; `survival_at(p)`: S at a forced position."""
+    `candidates`: (p, S(p)) ascending; `survival_at(p)`: S at a forced position.
+
+    f[k][j], the best value of a chain of points ending at point j with k free picks, is
+    c_j S_j + max over i < j of (f[k'][i] - c_i S_j) (k' = k - 1 for a free j, k for a forced
+    one): the best of lines of slope -c_i at x = S_j. Slopes fall as i rises and S_j falls as j
+    rises, so each layer keeps its upper envelope in a deque (the convex hull trick): O(K M).
+    A chain may pass over a forced point; it can only be worth less than the same chain through
+    it (adding a point never lowers the value, as S falls with p), so the best chain is still an
+    optimum of chosen + forced."""
     picks = {p for p, _ in candidates} - set(forced)
-    points = sorted(set(forced) | picks)
     if budget <= 0 or not picks:
         return ()
+    points = sorted(set(forced) | picks)
     share = dict(candidates)
     pos = [0, *points]
     s = [1.0, *(share[p] if p in picks else survival_at(p) for p in points)]
     c = [cost(p) for p in pos]
-    is_forced = [True, *(p not in picks for p in points)]
+    free = [False, *(p in picks for p in points)]
     n, neg = len(pos), float("-inf")
-    # f[k][j]: best value of a chain ending at point j using k free picks; no forced point skipped
     f = [[neg] * n for _ in range(budget + 1)]
     back = [[-1] * n for _ in range(budget + 1)]
+    hulls: list[deque] = [deque() for _ in range(budget + 1)]  # per layer: (slope, intercept, i)
+
+    def add(hull: deque, m: float, b: float, i: int) -> None:
+        while len(hull) >= 2:  # the last line is nowhere on top once the new one is in
+            m1, b1, _ = hull[-2]
+            m2, b2, _ = hull[-1]
+            if (b - b1) * (m1 - m2) >= (b2 - b1) * (m1 - m):
+                hull.pop()
+            else:
+                break
+        hull.append((m, b, i))
+
     f[0][0] = 0.0
-    floor = 0  # the last forced point below j: no chain may jump over it
+    add(hulls[0], -c[0], 0.0, 0)
     for j in range(1, n):
-        need = 0 if is_forced[j] else 1
+        x, need = s[j], 1 if free[j] else 0
         for k in range(need, budget + 1):
-            row, best, arg = f[k - need], neg, -1
-            for i in range(floor, j):
-                v = row[i]
-                if v == neg:
-                    continue
-                v += (c[j] - c[i]) * s[j]
-                if v > best:
-                    best, arg = v, i
-            f[k][j], back[k][j] = best, arg
-        if is_forced[j]:
-            floor = j
-    _, k, j = max((f[k][j], -k, j) for k in range(budget + 1) for j in range(floor, n))  # ties: fewer states
+            hull = hulls[k - need]
+            while len(hull) >= 2 and hull[1][0] * x + hull[1][1] >= hull[0][0] * x + hull[0][1]:
+                hull.popleft()  # queries only fall: a line beaten now stays beaten
+            if hull:
+                m, b, i = hull[0]
+                f[k][j], back[k][j] = m * x + b + c[j] * x, i
+        for k in range(need, budget + 1):
+            if f[k][j] > neg:
+                add(hulls[k], -c[j], f[k][j], j)
+    _, k, j = max((f[k][j], -k, j) for k in range(budget + 1) for j in range(n))  # ties: fewer states
     k = -k
     chosen = []
     while j > 0:
-        if not is_forced[j]:
+        if free[j]:
             chosen.append(pos[j])
-        j, k = back[k][j], k - (0 if is_forced[j] else 1)
+        j, k = back[k][j], k - (1 if free[j] else 0)
     return tuple(sorted(chosen))
 
 
