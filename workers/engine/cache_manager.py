@@ -30,31 +30,15 @@ from cache_service.group_managers import GroupManagers
 from cache_service.hit_finders import GroupProbe
 from cache_service.lifecycle import settle
 from cache_service.local_cache import PoolLookup
-from cache_service.mamba_manager import MambaManager
 from cache_service.miss_reasons import LookupReport, RecentlyEvicted, classify_miss
 from cache_service.retention import CheckpointPlanner, make_retention
 from cache_service.specs import CacheLayout, DraftAttentionSpec, FullAttentionSpec, MambaSpec
 from workers.engine.block_tables import BlockTables
+from workers.engine.cache_stats import checkpoint_stats, host_stats
 from workers.engine.config import EngineConfig
 from workers.engine.host_pages import HostPages
+from workers.engine.page_backend import ModelPageBackend, plan_checkpoints
 from workers.engine.request import Request
-
-
-class ModelPageBackend:
-    """Copies pages of the model's cache tensors (through `ModelCaches`, so every TP rank copies)."""
-
-    def __init__(self, caches, layout: CacheLayout) -> None:
-        self.caches, self.layout = caches, layout
-
-    def copy_page(self, group_id: int, src: int, dst: int) -> None:
-        kind = self.layout.groups[group_id].kind
-        if kind == "mamba":
-            self.caches.copy_state(src, dst)
-            return
-        pools = self.caches.draft_kv if kind == "draft" else self.caches.kv
-        for k_cache, v_cache in pools.values():
-            k_cache[dst].copy_(k_cache[src])
-            v_cache[dst].copy_(v_cache[src])
 
 
 class EngineCacheManager:
@@ -193,18 +177,7 @@ class EngineCacheManager:
         draft_start = length if self.config.eagle_mode is EagleMode.DROP or not length else length - 1
         req.num_draft_computed_tokens = draft_start
         req.junctions = self.coordinator.junctions(hit)
-        plans = [(req.num_prompt_tokens, req.num_prompt_tokens)]
-        if req.num_prefill_tokens > req.num_prompt_tokens:  # resuming after a preemption
-            plans.append((req.num_prefill_tokens, req.num_prefill_tokens))
-        marks, grid, needed = set(), set(), set()
-        for n, computed in plans:
-            positions, periodic = self.planner.checkpoints(n, computed, req.junctions), self.planner.periodic(
-                n, computed, req.junctions)
-            marks.update(positions)
-            grid.update(periodic)
-            needed.update(set(positions) - periodic)
-        req.checkpoints = tuple(sorted(marks))
-        req.periodic_checkpoints = frozenset(grid - needed)  # grid positions no plan needs
+        req.checkpoints, req.periodic_checkpoints = plan_checkpoints(self.planner, req)
         return True
 
     def hit_sidecar(self, req: Request) -> torch.Tensor:
@@ -306,19 +279,11 @@ class EngineCacheManager:
 
     def stats(self) -> dict[str, int]:
         """Retained checkpoint gauges and counters (engine stats, /metrics)."""
-        m: MambaManager = self.mamba
-        return {"num_retained_checkpoints": m.num_retained, "retained_checkpoint_bytes": m.num_retained_bytes,
-                "max_retained_checkpoint_bytes": (m.max_retained_pages or 0) * m.page_size_bytes,
-                "num_checkpoint_evictions": m.num_evictions, "num_snapshots_skipped": m.num_snapshots_skipped,
-                **self.host_stats()}
+        return {**checkpoint_stats(self.mamba), **self.host_stats()}
 
     def host_stats(self) -> dict[str, int]:
         """The host tier's pages held, copied each way and dropped, over every group (zeros without one)."""
-        tiers = [p.host for p in self.pools if p.host is not None]
-        return {"num_host_pages": sum(len(t) for t in tiers),
-                "num_host_demoted_pages": sum(t.num_demoted for t in tiers),
-                "num_host_promoted_pages": sum(t.num_promoted for t in tiers),
-                "num_host_dropped_pages": sum(t.num_dropped for t in tiers)}
+        return host_stats(self.pools)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a pool invariant is broken, a request's remembered cover
