@@ -44,7 +44,7 @@ HOST_OVER_DEVICE = 8  # the host tier's budget, in device budgets: it keeps ever
 
 def device_budget(model, prompt_len: int, num_spec_tokens: int, block_size: int = 16) -> tuple[int, float]:
     """(cache_memory_bytes, mamba_memory_fraction) giving 1.5x the KV blocks one max_model_len
-    request needs (`workers.engine.engine.size_pools`) and 4 state pages over its need: a second
+    request needs (`workers.engine.pool_sizing.size_pools`) and 4 state pages over its need: a second
     prompt evicts most of the first."""
     kv_bytes = model.kv_bytes_per_block(block_size)
     if num_spec_tokens:

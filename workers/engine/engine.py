@@ -25,7 +25,7 @@ from cache_service.messages import HostCopyPrice
 from workers.engine.cache_manager import EngineCacheManager
 from workers.engine.config import EngineConfig
 from workers.engine.drafter import DeviceDrafts, Drafter, DraftInput, MTPDrafter, PendingDrafts
-from workers.engine.errors import EngineConfigError, InvalidRequestError, validate_prompt
+from workers.engine.errors import InvalidRequestError, validate_prompt
 from workers.engine.handoff import Handoff, HandoffImport, export_request
 from workers.engine.handoff_import import (
     ImportReservation,
@@ -35,6 +35,7 @@ from workers.engine.handoff_import import (
     import_request,
     reserve_import,
 )
+from workers.engine.pool_sizing import size_host_pools, size_pools
 from workers.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from workers.engine.sampling import Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -261,45 +262,5 @@ class LLMEngine:
             req.set_drafts(tokens[: room(req)])
             req.num_draft_proposed += req.num_draft_tokens
 
-def _page_bytes(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
-    """(one KV block across the target and draft pools, one Mamba state page), at least 1 each."""
-    kv_bytes = model.kv_bytes_per_block(config.kv_block_size)
-    if speculative:
-        kv_bytes += model.draft_kv_bytes_per_block(config.kv_block_size)
-    return max(1, kv_bytes), max(1, model.state_bytes_per_slot())
 
-
-def _split(model, config: EngineConfig, speculative: bool, budget: int) -> tuple[int, int]:
-    """(KV blocks, state pages) `budget` bytes hold, `mamba_memory_fraction` of it for states."""
-    kv_bytes, state_bytes = _page_bytes(model, config, speculative)
-    return (int(budget * (1 - config.mamba_memory_fraction)) // kv_bytes,
-            int(budget * config.mamba_memory_fraction) // state_bytes)
-
-
-def size_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
-    """(num_kv_blocks, num_state_slots) from the memory budget and the model's page sizes."""
-    budget = config.cache_memory_bytes
-    num_blocks, num_slots = _split(model, config, speculative, budget)
-    need_blocks = -(-config.max_model_len // config.kv_block_size) + 2
-    need_slots = 8 + config.num_spec_tokens
-    if num_blocks < need_blocks or num_slots < need_slots:
-        raise EngineConfigError(
-            f"cache_memory_bytes={budget} gives {num_blocks} KV blocks and {num_slots} state pages; "
-            f"one max_model_len request needs {need_blocks} blocks and {need_slots} pages"
-        )
-    return num_blocks, num_slots
-
-
-def size_host_pools(model, config: EngineConfig, speculative: bool) -> tuple[int, int]:
-    """(host KV blocks, host state pages) of `config.host_cache_bytes`, split as the device budget is."""
-    if not config.host_cache_bytes:
-        return 0, 0
-    budget = config.host_cache_bytes
-    num_blocks, num_pages = _split(model, config, speculative, budget)
-    if not num_blocks or not num_pages:
-        raise EngineConfigError(f"host_cache_bytes={budget} gives {num_blocks} KV blocks and {num_pages} state "
-                                f"pages on the host; at least one of each is needed (or 0 for no host tier)")
-    return num_blocks, num_pages
-
-
-__all__ = ["LLMEngine", "EagleMode", "size_pools"]
+__all__ = ["LLMEngine", "EagleMode"]
