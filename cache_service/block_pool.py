@@ -68,6 +68,7 @@ class BlockPool:
         self._num_free_empty = num_blocks - 1  # free blocks that hold no cached hash
         self.keeps: Callable[[BlockHash], bool] | None = None  # None: every cached block is kept
         self.host: HostTier | None = None  # where evicted kept blocks go (None: dropped)
+        self.num_evictions = 0  # cached hashes dropped to make room or by a policy (device only)
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -116,6 +117,7 @@ class BlockPool:
                 self._num_free_empty -= 1
             block.ref_cnt = 1
             out.append(block)
+        self.num_evictions += len(evicted)
         self.events.removed(self.group_id, tuple(evicted))
         return out
 
@@ -195,6 +197,7 @@ class BlockPool:
             self._free[block.block_id] = block
         self._free.move_to_end(block.block_id, last=False)  # now empty: reused before any cached block
         self._num_free_empty += 1
+        self.num_evictions += 1
         self.events.removed(self.group_id, (block_hash,))
         return True
 

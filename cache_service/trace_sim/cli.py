@@ -31,7 +31,7 @@ from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.stepped_engine import make_cluster_sim
 from cache_service.trace_sim.summary import summarize
 from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
-from cache_service.trace_sim.tuning import tune_marconi_alpha
+from cache_service.trace_sim.tuning import run_bootstrapped, tune_marconi_alpha
 from cache_service.trace_sim.working_set import working_set_bytes
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention", default="latest", help="latest, dense, a token interval, or value:BYTES")
     p.add_argument("--eviction", default="value",
                    help="which retained Mamba state goes under pressure: value, lru, marconi[:ALPHA] "
-                        "(marconi alone: ALPHA tuned on the trace's first 10%%), or 'all'")
+                        "(marconi alone: ALPHA 0, then tuned on a bootstrap window as Marconi's code does: "
+                        "cache_service/trace_sim/tuning.py), or 'all'")
     p.add_argument("--eagle", default="off", choices=("off", "drop", "lossless"))
     p.add_argument("--checkpoint-grid", default="mamba", choices=GRIDS,
                    help="where Mamba states sit: mamba (each Mamba group's block, default) | attention (the "
@@ -107,28 +108,31 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
         router=RouterConfig(junction_credit=args.junction_credit),
         decode_model=args.decode_model or ("stepped" if args.pd_split else "independent"),
         pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None, checkpoint_grid=args.checkpoint_grid)
-    alpha_scores = None
-    if eviction == "marconi":  # no alpha given: tuned on the trace's first 10%, as the paper does
-        alpha, alpha_scores = tune_marconi_alpha(settings, requests)
-        settings = replace(settings, eviction=f"marconi:{alpha}")
+    tuning = None
+    if eviction == "marconi":  # no alpha given: alpha 0, then tuned on a bootstrap window, as published
+        tuning = tune_marconi_alpha(settings, requests)
+        settings = replace(settings, eviction="marconi:0")
     sim = make_cluster_sim(settings)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc=policy, unit="req", file=sys.stderr, leave=False)
     start, cpu = time.perf_counter(), time.process_time()
-    records = sim.run(requests, (lambda _r: bar.update(1)) if bar is not None else None)
+    on_step = (lambda _r: bar.update(1)) if bar is not None else None
+    records = run_bootstrapped(sim, requests, tuning, on_step) if tuning else sim.run(requests, on_step)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if bar is not None:
         bar.close()
-    rows = [dict(record_dict(r), policy=policy, eviction=settings.eviction) for r in records]
+    name = f"marconi:{tuning.alpha}" if tuning else settings.eviction  # the alpha it ran with after tuning
+    rows = [dict(record_dict(r), policy=policy, eviction=name) for r in records]
     summary = summarize(sim, records, wall)
+    summary["eviction"] = name
     if args.memory_share is not None:
         summary["memory_share"] = args.memory_share
     if args.host_memory_share is not None:
         summary["host_memory_share"] = args.host_memory_share
-    if alpha_scores is not None:
-        summary["marconi_alpha_hit_rates"] = {str(a): v for a, v in alpha_scores.items()}
+    if tuning is not None:
+        summary["marconi_tuning"] = tuning.as_dict()
     summary["time_scale"] = args.time_scale
     summary["cpu_s"] = cpu  # this process's CPU time: the rate on a shared machine, beside wall_s
     summary["simulated_requests_per_cpu_s"] = len(records) / cpu if cpu > 0 else 0.0
