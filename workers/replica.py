@@ -252,7 +252,7 @@ class Replica:
             layout = engine.cache.layout
             return (tuple(layout.describe()), engine.cache.coordinator.eagle.value, engine.config.model_fingerprint,
                     engine.vocab_size, engine.config.max_model_len, engine.cache.alignment, layout.hash_block_size,
-                    page_bytes(engine.cache) if self.tp_size == 1 else None)  # TP > 1: pages not movable yet
+                    page_bytes(engine.cache))  # at TP > 1 every rank's shard: what a transfer moves
 
         ctx = ray.get_runtime_context()
         *known, pages = self.runner.call(facts)

@@ -29,7 +29,14 @@ from cache_service.block_hash import BlockHash, RequestBlockHashes
 from cache_service.link_costs import PageBytes
 from cache_service.promotion import pin_keys
 from workers.engine.cache_manager import EngineCacheManager
-from workers.engine.page_tensors import page_tensors
+from workers.engine.page_tensors import read_rows, row_specs, write_rows
+from workers.transfer_rows import (
+    cache_dtype,
+    group_tensors,  # noqa: F401 - re-exported (bench/gpu_check_measure.py)
+    sender_tp_size,
+    tp_size_of,
+    wire_row_bytes,
+)
 
 
 class TransferError(RuntimeError):
@@ -61,18 +68,13 @@ class TransferHeader:
         return cls(**data)
 
 
-def group_tensors(cache: EngineCacheManager, group: int) -> list[torch.Tensor]:
-    """The page-indexed tensors a transfer moves for a group (`page_tensors.page_tensors`; the
-    full group's sidecar always travels)."""
-    return page_tensors(cache, group, sidecar=True)
-
-
 def page_bytes(cache: EngineCacheManager) -> PageBytes:
     """What a transfer of an n-token hit moves, as a line in n (`cache_service.link_costs`): one
-    page of each Mamba group, n / block_size pages of each attention group."""
+    page of each Mamba group, n / block_size pages of each attention group; every rank's shard of
+    a page counted at TP > 1 (what crosses the wire)."""
     fixed, per_token = 0, 0.0
     for g, spec in enumerate(cache.layout.groups):
-        nbytes = sum(t[0].numel() * t.element_size() for t in group_tensors(cache, g))
+        nbytes = sum(wire_row_bytes(cache, g))
         if spec.kind == "mamba":
             fixed += nbytes
         else:
@@ -91,9 +93,13 @@ def checksum(payload: torch.Tensor) -> str:
 
 
 def export_prefix(
-    cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, tp_size: int = 1, tp_rank: int = 0
+    cache: EngineCacheManager, hashes: RequestBlockHashes, num_tokens: int, tp_size: int | None = None,
+    tp_rank: int = 0,
 ) -> tuple[TransferHeader, torch.Tensor]:
-    """Pack the cached pages that serve a hit of `num_tokens` (must be cached here)."""
+    """Pack the cached pages that serve a hit of `num_tokens` (must be cached here); every rank's
+    shard at TP > 1 (`workers.transfer_rows`), where it must run on the engine's loop thread.
+    `tp_size`: the engine's (the default)."""
+    tp_size = sender_tp_size(cache, tp_size)
     if num_tokens <= 0 or num_tokens % cache.alignment:
         raise TransferError(f"transfer length {num_tokens} is not a positive multiple of {cache.alignment}")
     wanted = wanted_keys(cache, hashes, num_tokens)
@@ -101,8 +107,9 @@ def export_prefix(
     try:
         parts: list[torch.Tensor] = []  # tensor-major, page-minor: one gather per cache tensor
         for group, found in enumerate(blocks):
-            index = torch.tensor([b.block_id for b in found], dtype=torch.long)
-            parts.extend(t.index_select(0, index).reshape(-1) for t in group_tensors(cache, group))
+            if found:
+                rows = read_rows(cache, group, [b.block_id for b in found], sidecar=True)
+                parts.extend(r.reshape(-1) for r in rows)
     finally:
         for group, found in enumerate(blocks):
             cache.pools[group].free(found)
@@ -116,11 +123,15 @@ def export_prefix(
 
 
 def import_prefix(
-    cache: EngineCacheManager, header: TransferHeader, payload: torch.Tensor, tp_size: int = 1, tp_rank: int = 0
+    cache: EngineCacheManager, header: TransferHeader, payload: torch.Tensor, tp_size: int | None = None,
+    tp_rank: int = 0,
 ) -> int:
-    """Register received pages in this replica's pools. Returns the number of pages stored."""
+    """Register received pages in this replica's pools. Returns the number of pages stored. At
+    TP > 1 it writes every rank's shard, so it must run on the engine's loop thread. `tp_size`:
+    the TP size the sender must have had (default: this engine's)."""
     expect = {
-        "model_fingerprint": cache.config.model_fingerprint, "tp_size": tp_size, "tp_rank": tp_rank,
+        "model_fingerprint": cache.config.model_fingerprint,
+        "tp_size": tp_size_of(cache) if tp_size is None else tp_size, "tp_rank": tp_rank,
         "kv_block_size": cache.block_size, "mamba_block_size": cache.config.mamba_block_size,
     }
     for name, value in expect.items():
@@ -133,28 +144,29 @@ def import_prefix(
     new = [[k for k in keys if bytes.fromhex(k) not in cache.pools[g].cached] for g, keys in enumerate(header.keys)]
     if not all(cache.pools[g].can_allocate(len(keys)) for g, keys in enumerate(new)):
         raise TransferError("no room in the destination pools")
-    sample = cache.caches.kv[min(cache.caches.kv)][0]
-    if str(sample.dtype) != header.dtype:
-        raise TransferError(f"incompatible transfer: dtype {header.dtype}, here {sample.dtype}")
-    values = payload.view(sample.dtype)
-    expected = sum(len(keys) * t[0].numel() for g, keys in enumerate(header.keys) for t in group_tensors(cache, g))
-    if values.numel() != expected:
+    if cache_dtype(cache) != header.dtype:
+        raise TransferError(f"incompatible transfer: dtype {header.dtype}, here {cache_dtype(cache)}")
+    expected = sum(len(keys) * n for g, keys in enumerate(header.keys) for n in wire_row_bytes(cache, g))
+    if payload.numel() != expected:
         raise TransferError("transfer payload size does not match its pages")
     offset, stored = 0, 0
     for group, keys in enumerate(header.keys):
         pool = cache.pools[group]
         fresh = [i for i, k in enumerate(keys) if bytes.fromhex(k) not in pool.cached]
         pages = pool.allocate(len(fresh))
-        rows = torch.tensor(fresh, dtype=torch.long)
-        dst = torch.tensor([p.block_id for p in pages], dtype=torch.long)
-        for t in group_tensors(cache, group):
-            n = len(keys) * t[0].numel()
+        try:
+            rows = torch.tensor(fresh, dtype=torch.long)
+            picked = []
+            for nbytes, (dtype, shape) in zip(wire_row_bytes(cache, group), row_specs(cache, group, sidecar=True)):
+                n = len(keys) * nbytes
+                picked.append(payload[offset : offset + n].view(dtype).view(len(keys), *shape).index_select(0, rows))
+                offset += n
             if pages:
-                t.index_copy_(0, dst, values[offset : offset + n].view(len(keys), *t.shape[1:]).index_select(0, rows))
-            offset += n
-        for i, page in zip(fresh, pages):
-            pool.cache_block(page, BlockHash(bytes.fromhex(keys[i])))
-        pool.free(pages)
+                write_rows(cache, group, [p.block_id for p in pages], picked, sidecar=True)
+            for i, page in zip(fresh, pages):
+                pool.cache_block(page, BlockHash(bytes.fromhex(keys[i])))
+        finally:
+            pool.free(pages)
         stored += len(pages)
     return stored
 

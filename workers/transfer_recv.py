@@ -1,7 +1,9 @@
 """Receiving a streamed prefix (the other end of `workers.transfer_send.send_prefix`): read the header,
 check it and allocate fresh pages on the engine loop, land each chunk in its pages (in place
 when the rows are a run), verify the checksum, then register the pages under their hashes. A
-refused transfer is drained whole, so the pair channel stays usable.
+refused transfer is drained whole, so the pair channel stays usable. At TP > 1 the chunks land
+in staging tensors and registration first writes the fresh pages' rows to every rank
+(`workers/transfer_rows.py`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ import xxhash
 
 from cache_service.block_hash import BlockHash
 from workers.engine.cache_manager import EngineCacheManager
-from workers.transfer import ON_THIS_THREAD, TransferError, TransferHeader, group_tensors, host_bytes, rows_view
+from workers.transfer import ON_THIS_THREAD, TransferError, TransferHeader, host_bytes, rows_view
+from workers.transfer_rows import cache_dtype, group_tensors, staging_tensors, tp_size_of, wire_row_bytes, write_staged
 
 __all__ = ["recv_prefix"]
 
 
-def recv_prefix(cache: EngineCacheManager, channel, on_loop=ON_THIS_THREAD, tp_size: int = 1, tp_rank: int = 0) -> int:
+def recv_prefix(cache: EngineCacheManager, channel, on_loop=ON_THIS_THREAD, tp_size: int | None = None,
+                tp_rank: int = 0) -> int:
     """Receive a streamed prefix and register its pages. Returns pages stored; `TransferError` if refused
-    (the whole stream is still drained, so the channel stays usable)."""
+    (the whole stream is still drained, so the channel stays usable). `on_loop` as for `send_prefix`
+    (at TP > 1 it issues the write to every rank); `tp_size`: the TP size the sender must have
+    (default: this engine's)."""
+    tp_size = tp_size_of(cache) if tp_size is None else tp_size
     header = _recv_header(channel)
     prepared = on_loop(lambda: _prepare_receive(cache, header, tp_size, tp_rank))
     landing = _Landing(cache, header, prepared)
@@ -54,7 +61,7 @@ def _prepare_receive(cache: EngineCacheManager, header: TransferHeader, tp_size:
     expect = {
         "model_fingerprint": cache.config.model_fingerprint, "tp_size": tp_size, "tp_rank": tp_rank,
         "kv_block_size": cache.block_size, "mamba_block_size": cache.config.mamba_block_size,
-        "dtype": str(next(iter(cache.caches.kv.values()))[0].dtype),
+        "dtype": cache_dtype(cache),
     }
     for name, value in expect.items():
         if getattr(header, name) != value:
@@ -74,18 +81,24 @@ def _prepare_receive(cache: EngineCacheManager, header: TransferHeader, tp_size:
 
 
 class _Landing:
-    """Where a received prefix's chunks land (its fresh pages, in place when the rows are a run),
-    the running checksum, and registering the pages at the end; a refused transfer (`error`) is
-    drained into throwaway buffers."""
+    """Where a received prefix's chunks land (TP 1: its fresh pages, in place when the rows are a
+    run; TP n: staging tensors, every row in place), the running checksum, and registering the
+    pages at the end; a refused transfer (`error`) is drained into throwaway buffers."""
 
     def __init__(self, cache: EngineCacheManager, header: TransferHeader, prepared) -> None:
         self.cache = cache
         self.header = header
         self.error: str | None = prepared if isinstance(prepared, str) else None
         self.plan, self.fresh, self.pages = (None, None, None) if self.error is not None else prepared
-        self.tensors = [group_tensors(cache, g) for g in range(len(cache.pools))]
-        self.dst_of = []  # per group: page row -> destination block id (fresh rows only)
-        if self.error is None:
+        self.staged = tp_size_of(cache) > 1
+        self.tensors: list[list[torch.Tensor]] = []  # per group, the tensors chunks land in (wire order)
+        self.dst_of: list[dict[int, int]] = []  # per group: page row -> its row in `tensors` (rows kept)
+        if self.error is None and self.staged:
+            counts = [len(keys) for keys in header.keys]
+            self.tensors = staging_tensors(cache, counts)
+            self.dst_of = [{i: i for i in range(n)} for n in counts]
+        elif self.error is None:
+            self.tensors = [group_tensors(cache, g) for g in range(len(cache.pools))]
             self.dst_of = [dict(zip(rows, (p.block_id for p in pg))) for rows, pg in zip(self.fresh, self.pages)]
         self.digest = xxhash.xxh3_64()
 
@@ -115,15 +128,21 @@ class _Landing:
             t.index_copy_(0, dst, data.index_select(0, src))
 
     def register(self) -> int:
-        """On the engine loop: cache the received pages under their hashes (none if refused), then
-        drop this transfer's references. Returns pages stored."""
-        stored = 0
-        for group, pg in enumerate(self.pages or []):
-            if self.error is None:
-                for row, page in zip(self.fresh[group], pg):
-                    self.cache.pools[group].cache_block(page, BlockHash(bytes.fromhex(self.header.keys[group][row])))
-                stored += len(pg)
-            self.cache.pools[group].free(pg)
+        """On the engine loop: write staged rows to every rank (TP n), cache the received pages under
+        their hashes (none if refused), then drop this transfer's references. Returns pages stored."""
+        stored, ok = 0, False
+        try:
+            if self.error is None and self.staged:
+                write_staged(self.cache, self.tensors, self.fresh, self.pages)
+            ok = self.error is None
+        finally:
+            for group, pg in enumerate(self.pages or []):
+                if ok:
+                    for row, page in zip(self.fresh[group], pg):
+                        key = BlockHash(bytes.fromhex(self.header.keys[group][row]))
+                        self.cache.pools[group].cache_block(page, key)
+                    stored += len(pg)
+                self.cache.pools[group].free(pg)
         return stored
 
 
@@ -131,8 +150,7 @@ def _plan_from_sizes(cache: EngineCacheManager, counts: list[int], chunks: tuple
     """Recover the sender's chunk plan (rows per chunk) from its chunk sizes."""
     plan, k = [], 0
     for group, count in enumerate(counts):
-        for ti, t in enumerate(group_tensors(cache, group)):
-            page_bytes = t[0].numel() * t.element_size()
+        for ti, page_bytes in enumerate(wire_row_bytes(cache, group)):
             a = 0
             while a < count:
                 if k >= len(chunks) or chunks[k] % page_bytes:

@@ -97,7 +97,7 @@ class TransferMixin:
         channel = self._channel(transfer_channel_name(self.replica_id, peer_id, generation), 0, None)
         t0 = time.perf_counter()
         num_bytes = send_prefix(engine.cache, hashes, num_tokens, channel, on_loop=self._on_loop,
-                                corrupt=self.corrupt_this_send(), kv_only=kv_only)
+                                tp_size=self.tp_size, corrupt=self.corrupt_this_send(), kv_only=kv_only)
         return num_bytes, time.perf_counter() - t0
 
     def corrupt_this_send(self) -> bool:
@@ -105,6 +105,7 @@ class TransferMixin:
         return False
 
     def _on_loop(self, fn):
+        """Run `fn()` on the engine's loop thread (at TP > 1 it owns the TP group the rows move over)."""
         return self.runner.call(lambda _engine: fn())
 
     @ray.method(concurrency_group="transfer")
@@ -112,4 +113,4 @@ class TransferMixin:
         from workers.transfer_recv import recv_prefix
 
         channel = self._channel(transfer_channel_name(peer_id, self.replica_id, generation), 1, tuple(endpoint))
-        return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop)
+        return recv_prefix(self.runner.engine.cache, channel, on_loop=self._on_loop, tp_size=self.tp_size)

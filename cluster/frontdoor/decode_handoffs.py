@@ -91,8 +91,7 @@ class DecodeHandoffs:
         n = position // alignment * alignment
         if job.decoder is None or n <= job.early_sent:
             return
-        rep = self.replicas.get(src)
-        if rep is None or rep.info.tp_size > 1:  # a TP replica's pages do not move by prefix transfer
+        if self.replicas.get(src) is None:
             return
         if job.early_ref is not None and not ray.wait([job.early_ref], timeout=0)[0]:
             return  # the previous one is still moving: the next progress sends the lot

@@ -8,6 +8,7 @@ import torch
 from tests.conftest import make_engine
 from tests.model.tp_helpers import TRAINED, code_prompts
 from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_model
 from workers.tp_worker import create_tp_engine
@@ -77,14 +78,18 @@ def test_tp2_prefill_hands_off_to_a_tp2_decoder(ray_session):
     """`cluster.pd` 1:1 with TP 2 replicas (each rank 0 + a TPWorker actor): every request prefills on
     the prefill replica and is handed off with every rank's shard of its pages; outputs equal one TP 1
     engine's token for token, each token streamed once, and no rank of the decoder runs a prompt
-    token. Catches: a hand-off that carries rank 0's shard only (the decoder's rank 1 would decode
-    from stale pages and the output diverge), a decoder that re-prefills, a kept hand-off (the count)."""
+    token. The prompts prefill in 80-token chunks, so the finished chunks' attention blocks go to the
+    decoder while the rest computes (kv-only prefix transfers, every rank's shard) and the hand-off
+    skips them. Catches: a hand-off that carries rank 0's shard only (the decoder's rank 1 would decode
+    from stale pages and the output diverge), a decoder that re-prefills, a kept hand-off (the count),
+    no early sends at TP 2 (the count) or early pages the hand-off does not use (skipped bytes 0)."""
     from cluster.config import ClusterConfig, PDConfig
     from cluster.frontdoor.backend import ClusterBackend
 
     prompts = code_prompts()[1:]
-    ref = make_engine(load_model(TRAINED, kernels="torch"), num_spec_tokens=3).generate(prompts, PARAMS)
-    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20, num_spec_tokens=3)
+    config = EngineConfig(kernels="torch", max_model_len=2048, cache_memory_bytes=32 * 2**20, num_spec_tokens=3,
+                          max_num_batched_tokens=80)
+    ref = LLMEngine(load_model(TRAINED, kernels="torch"), config).generate(prompts, PARAMS)
     backend = ClusterBackend(str(TRAINED), config, ClusterConfig(name=None, num_replicas=2, tp_size=2,
                                                                  pd=PDConfig(num_prefill=1, num_decode=1)))
     try:
@@ -96,7 +101,9 @@ def test_tp2_prefill_hands_off_to_a_tp2_decoder(ray_session):
             assert [t for o in outs for t in o.new_token_ids] == list(want.token_ids)
         work = ray_session.get(decoder.work_counts.remote())
         assert work.num_computed_prompt_tokens == 0 and [r.num_prompt_tokens for r in work.ranks] == [0, 0]
-        # no early page sends: a TP replica's prefix pages do not move (the hand-off moves every rank's)
-        assert backend.handoff_counts == {"handoffs": len(prompts), "handoffs_kept": 0, "early_page_sends": 0}
+        counts = backend.handoff_counts
+        assert (counts["handoffs"], counts["handoffs_kept"]) == (len(prompts), 0) and counts["early_page_sends"] >= 1
+        stats = ray_session.get(backend.controller.stats.remote())
+        assert stats["transfers"] >= 1 and stats["handoff_skipped_bytes"] > 0
     finally:
         backend.shutdown()

@@ -9,7 +9,9 @@ prefix transfers (`workers/transfer.py`, `transfer_recv.py`) and hand-offs (`han
 A hand-off reads and writes rows through `read_rows` / `write_rows` / `row_specs`, which also
 serve a tensor-parallel engine: there the list is rank 0's tensors, then rank 1's, ... (each rank
 holds its shard of every page: `workers/model/tp_pages.py`), then the sidecar (rank 0's engine
-keeps it whole). Prefix transfers between TP replicas are not implemented (`page_tensors` raises).
+keeps it whole). Prefix transfers use them at TP > 1 too (`workers/transfer_rows.py`); there
+`page_tensors` raises (a rank 0 engine holds no whole page tensor), so only a TP 1 transfer reads
+the cache tensors in place.
 """
 
 from __future__ import annotations
