@@ -25,7 +25,7 @@ Checks printed under the table (and in the JSON's `checks`):
     value >= 1.5 x lru        at the 25% share, both at `latest`
     grid >= latest            dense, 512 and value:3e8 under value, every budget
 
-Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes. Writes JSON
+Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes (~25 min with 2). Writes JSON
 (--out) and a Markdown table (--markdown).
 """
 
@@ -82,7 +82,8 @@ def run_cell(job: tuple[str, Path, int | None, int, float, str, str]) -> list[di
     return [{"trace": trace, "replicas": replicas, "share": share, "retention": retention,
              "cell": f"{retention}/{column}", "eviction": summary["eviction"], "hit_rate": summary["hit_rate"],
              "flops_saved_share": summary["flops_saved_share"], "state_turnover": summary["state_turnover"],
-             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p95_s": summary["ttft_s"]["p95"]}
+             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p95_s": summary["ttft_s"]["p95"],
+             **({"marconi_tuning": summary["marconi_tuning"]} if "marconi_tuning" in summary else {})}
             for column, summary in picked]
 
 

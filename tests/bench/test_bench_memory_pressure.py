@@ -30,6 +30,9 @@ def test_table_runs_every_cell_on_both_traces_and_reports_the_checks(capsys, tmp
     # the published column names the alpha its bootstrap chose, from the published grid
     published = [r["eviction"] for r in report["rows"] if r["cell"] == "latest/marconi-published"]
     assert len(published) == 4 and all(float(e.split(":")[1]) in PUBLISHED_ALPHAS for e in published)
+    for r in report["rows"]:  # with what its tuning saw (a window of 0: it never evicted)
+        if r["cell"] == "latest/marconi-published":
+            assert float(r["eviction"].split(":")[1]) == r["marconi_tuning"]["alpha"]
     # per (trace, R): value vs both Marconi columns, value vs 1.5 lru (share 0.25), dense vs latest
     assert len(report["checks"]) == 4 * 4
     text = md.read_text()
