@@ -217,3 +217,31 @@ def test_a_transfer_between_tp_sizes_is_refused_by_name_and_the_channel_stays_us
     _assert_same_pages(a, fresh)
     (warm,) = fresh.generate([PROMPT], PARAMS)
     assert warm.num_cached_tokens == HIT and fresh.num_computed_prompt_tokens == len(PROMPT) - HIT
+
+
+def test_a_receiver_holding_part_of_the_prefix_gets_only_the_rest_written_where_it_belongs(models):
+    """B served the prompt's first 200 tokens itself, so it holds part of the pages A sends: only
+    the others are stored, each of them lands on every rank equal to A's, B's own pages are left
+    byte for byte as they were, and its next request hits the whole prefix with a TP 1 engine's
+    output. Catches: staged rows mapped to the wrong pages once some rows are skipped, pages B held
+    overwritten or counted again."""
+    tp_a, tp_b, tp1 = models
+    (ref,) = _engine(tp1).generate([PROMPT], PARAMS)
+    a, b = _engine(tp_a), _engine(tp_b)
+    a.generate([PROMPT], PARAMS)
+    b.generate([PROMPT[:200]], PARAMS)
+    wanted = wanted_keys(a.cache, _hashes(a), HIT)
+    held = [[k for k in keys if k in b.cache.pools[g].cached] for g, keys in enumerate(wanted)]
+    fresh = [[k for k in keys if k not in b.cache.pools[g].cached] for g, keys in enumerate(wanted)]
+    assert sum(map(len, held)) > 0 and all(fresh)  # some of every group is missing, some pages held
+    own = _rows(b, held)
+    stored = _stream(a, b, _channel("tp-partial"))
+    assert stored == sum(map(len, fresh))
+    b.cache.check_integrity()
+    for g, (x, y) in enumerate(zip(_rows(b, held), own)):
+        assert all(torch.equal(u, v) for u, v in zip(x, y)), f"group {g}: a page B held was rewritten"
+    for g, (x, y) in enumerate(zip(_rows(b, fresh), _rows(a, fresh))):
+        assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y)), f"group {g} differs"
+    (warm,) = b.generate([PROMPT], PARAMS)
+    assert warm.num_cached_tokens == HIT and warm.num_computed_prompt_tokens == len(PROMPT) - HIT
+    assert warm.token_ids == ref.token_ids
