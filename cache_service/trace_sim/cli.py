@@ -98,6 +98,12 @@ def budgets(args: argparse.Namespace, requests: list, layout: SimLayout) -> tupl
             per_replica(args.host_memory_gib, args.host_memory_share, "--host-memory-share"))
 
 
+def _bar(description: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="req", file=sys.stderr, leave=False)
+
+
 def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list) -> tuple[dict, list[dict]]:
     layout = load_layout(args.layout)
     budget, host = budgets(args, requests, layout)
@@ -110,13 +116,10 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
         pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None, checkpoint_grid=args.checkpoint_grid)
     tuning = None
     if eviction == "marconi":  # no alpha given: alpha 0, then tuned on a bootstrap window, as published
-        tuning = tune_marconi_alpha(settings, requests)
+        tuning = tune_marconi_alpha(settings, requests, progress=None if args.no_progress else _bar)
         settings = replace(settings, eviction="marconi:0")
     sim = make_cluster_sim(settings)
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(requests), desc=policy, unit="req", file=sys.stderr, leave=False)
+    bar = None if args.no_progress else _bar(policy, len(requests))
     start, cpu = time.perf_counter(), time.process_time()
     on_step = (lambda _r: bar.update(1)) if bar is not None else None
     records = run_bootstrapped(sim, requests, tuning, on_step) if tuning else sim.run(requests, on_step)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from cache_service.eviction import EvictionConfig
 from cache_service.trace_sim.engine import ClusterSim, SimSettings
@@ -65,34 +66,57 @@ def _until(requests: Sequence[TraceRequest], stop: Callable[[], bool]) -> Iterat
         yield req
 
 
-def first_eviction(settings: SimSettings, requests: Sequence[TraceRequest]) -> int | None:
-    """Requests the cluster has seen (the evicting one included) when it first evicts, at alpha 0."""
+def first_eviction(settings: SimSettings, requests: Sequence[TraceRequest],
+                   on_step: Callable[[object], None] | None = None) -> int | None:
+    """Requests the cluster has seen (the evicting one included) when it first evicts, at alpha 0.
+    `on_step(record)` after each request run."""
     sim = ClusterSim(replace(settings, eviction="marconi:0"))
     seen: list[int] = []
+    done = 0
 
-    def step(_record) -> None:
+    def step(record) -> None:
+        nonlocal done
+        done += 1
         if not seen and num_evictions(sim) > 0:
-            seen.append(len(done) + 1)
-        done.append(None)
+            seen.append(done)
+        if on_step is not None:
+            on_step(record)
 
-    done: list[None] = []
     sim.run(_until(requests, lambda: bool(seen)), step)
     return seen[0] if seen else None
 
 
+class Progress(Protocol):
+    """A progress bar (tqdm's interface): `update(1)` per request run, `close()` at the end."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def close(self) -> None: ...
+
+
 def tune_marconi_alpha(settings: SimSettings, requests: Sequence[TraceRequest],
                        alphas: Sequence[float] = PUBLISHED_ALPHAS,
-                       multiplier: int = BOOTSTRAP_MULTIPLIER) -> MarconiTuning:
-    """Marconi's bootstrap on `requests` (module docstring)."""
-    n0 = first_eviction(settings, requests)
+                       multiplier: int = BOOTSTRAP_MULTIPLIER,
+                       progress: Callable[[str, int], Progress] | None = None) -> MarconiTuning:
+    """Marconi's bootstrap on `requests` (module docstring). `progress(description, total)`: a
+    bar for each phase (the run to the first eviction, the replays), ticked per request."""
+    bar = progress("marconi: run to its first eviction", len(requests)) if progress else None
+    n0 = first_eviction(settings, requests, (lambda _r: bar.update(1)) if bar else None)
+    if bar:
+        bar.close()
     if n0 is None:
         return MarconiTuning(0.0, None, 0, {})
     window = list(requests[: multiplier * n0])
     cost = EvictionConfig(settings.eviction, settings.layout.attention_crossover_tokens).build().cost
+    bar = progress(f"marconi: {len(alphas)} alphas over its first {len(window)} requests",
+                   len(alphas) * len(window)) if progress else None
     saved = {}
     for alpha in alphas:
-        records = ClusterSim(replace(settings, eviction=f"marconi:{alpha}")).run(window)
+        records = ClusterSim(replace(settings, eviction=f"marconi:{alpha}")).run(
+            window, (lambda _r: bar.update(1)) if bar else None)
         saved[alpha] = sum(cost(r.hit_tokens) for r in records)
+    if bar:
+        bar.close()
     best = max(alphas, key=lambda a: (saved[a], -a))
     return MarconiTuning(best, n0, len(window), saved)
 

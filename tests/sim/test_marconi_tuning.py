@@ -82,6 +82,26 @@ def test_the_bootstrap_replays_5_n0_requests_and_keeps_the_alpha_that_saved_most
     assert sum(cost(r.hit_tokens) for r in replay) == tuning.flops_saved[tuning.alpha]
 
 
+class _Bar:
+    def __init__(self, description: str, total: int) -> None:
+        self.description, self.total, self.n, self.closed = description, total, 0, False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_each_phase_shows_its_progress_to_the_end():
+    reqs, bars = long_and_shorts(), []
+    tuning = tune_marconi_alpha(settings(), reqs, progress=lambda d, t: bars.append(_Bar(d, t)) or bars[-1])
+    run, replays = bars
+    assert (run.total, run.n, run.closed) == (len(reqs), tuning.first_eviction, True)  # stopped at n0
+    assert replays.total == replays.n == len(PUBLISHED_ALPHAS) * tuning.window and replays.closed
+    assert f"over its first {tuning.window} requests" in replays.description
+
+
 def test_a_cache_that_never_evicts_stays_at_alpha_0():
     tuning = tune_marconi_alpha(settings(), long_and_shorts()[:2])
     assert (tuning.alpha, tuning.first_eviction, tuning.window, tuning.flops_saved) == (0.0, None, 0, {})
