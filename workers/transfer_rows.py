@@ -20,18 +20,13 @@ import math
 
 import torch
 
-from workers.engine.page_tensors import page_tensors, read_rows, row_specs, write_rows
+from workers.engine.page_tensors import page_tensors, read_rows, row_specs, tp_size_of, write_rows
 
 
 def group_tensors(cache, group: int) -> list[torch.Tensor]:
     """The page-indexed tensors a TP 1 transfer moves for a group (`page_tensors.page_tensors`;
     the full group's sidecar always travels)."""
     return page_tensors(cache, group, sidecar=True)
-
-
-def tp_size_of(cache) -> int:
-    """The engine's TP size: how many ranks' shards every page has."""
-    return getattr(cache.caches, "tp_size", 1)
 
 
 def sender_tp_size(cache, tp_size: int | None) -> int:

@@ -33,10 +33,11 @@ def _model_tensors(cache, kind: str) -> list[torch.Tensor]:
     """The page tensors the model's caches hold for a group kind: all of them at TP 1, rank 0's
     shard (one of `tp_size` equal ones) otherwise."""
     caches = cache.caches
-    return local_page_tensors(caches.local if _tp_size(cache) > 1 else caches, kind)
+    return local_page_tensors(caches.local if tp_size_of(cache) > 1 else caches, kind)
 
 
-def _tp_size(cache) -> int:
+def tp_size_of(cache) -> int:
+    """The engine's TP size: how many ranks' shards every page has."""
     return getattr(cache.caches, "tp_size", 1)
 
 
@@ -53,14 +54,14 @@ def _index(ids: list[int], like: torch.Tensor) -> torch.Tensor:
 def row_specs(cache, group: int, sidecar: bool) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape of one row) of each tensor `read_rows` returns for the group."""
     side = _sidecar(cache, group, sidecar)
-    tensors = _model_tensors(cache, cache.layout.groups[group].kind) * _tp_size(cache)
+    tensors = _model_tensors(cache, cache.layout.groups[group].kind) * tp_size_of(cache)
     return [(t.dtype, tuple(t.shape[1:])) for t in tensors + ([] if side is None else [side])]
 
 
 def read_rows(cache, group: int, ids: list[int], sidecar: bool) -> tuple[torch.Tensor, ...]:
     """Copies of pages `ids` of the group, one tensor per `row_specs` entry."""
     kind, side = cache.layout.groups[group].kind, _sidecar(cache, group, sidecar)
-    if _tp_size(cache) == 1:
+    if tp_size_of(cache) == 1:
         rows = [t.index_select(0, _index(ids, t)) for t in _model_tensors(cache, kind)]
     else:
         rows = cache.caches.read_rows(kind, ids)
@@ -71,7 +72,7 @@ def write_rows(cache, group: int, ids: list[int], rows, sidecar: bool) -> int:
     """Write `read_rows`-shaped `rows` into pages `ids` of the group; the bytes written."""
     kind, side = cache.layout.groups[group].kind, _sidecar(cache, group, sidecar)
     model_rows = list(rows[:-1] if side is not None else rows)
-    if _tp_size(cache) == 1:
+    if tp_size_of(cache) == 1:
         for t, r in zip(_model_tensors(cache, kind), model_rows):
             t.index_copy_(0, _index(ids, t), r.to(t.device))
     else:
