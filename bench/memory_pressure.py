@@ -128,7 +128,7 @@ def checks(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict], found: list[dict]) -> str:
     present = list(dict.fromkeys(cell_name(x) for x in rows))
-    known = [n for r, e in CELLS for n in ([f"{r}/{e}", f"{r}/marconi-published"] if e == "marconi" else [f"{r}/{e}"])]
+    known = [f"{r}/{c}" for r, e in CELLS for c in (MARCONI_COLUMNS if e == "marconi" else (e,))]
     names = [n for n in known if n in present] + [n for n in present if n not in known]
     lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / published | value / lru |",
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |"]
