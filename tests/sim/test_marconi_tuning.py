@@ -11,6 +11,7 @@ import pytest
 
 from cache_service.block_hash import BlockHash
 from cache_service.block_pool import BlockPool
+from cache_service.trace_sim import cli
 from cache_service.trace_sim.cli import main
 from cache_service.trace_sim.engine import ClusterSim, SimSettings
 from cache_service.trace_sim.stepped_engine import SteppedClusterSim
@@ -132,12 +133,24 @@ def test_a_stepped_cluster_takes_the_tuned_alpha_from_the_start():
 
 
 @pytest.mark.timeout(300)
-def test_simulate_reports_the_tuning_and_the_alpha_it_ran_with(capsys):
+def test_simulate_reports_the_tuning_and_the_alpha_it_ran_with(capsys, monkeypatch):
+    """The CLI runs the trace through `run_bootstrapped` with the tuning it reports (a spy around
+    the real function: a CLI that ran the whole trace at alpha 0 or at the tuned alpha would pass
+    the summary checks alone)."""
+    seen = []
+
+    def spy(sim, requests, tuning, on_step=None):
+        seen.append((sim.settings.eviction, len(requests), tuning))
+        return run_bootstrapped(sim, requests, tuning, on_step)
+
+    monkeypatch.setattr(cli, "run_bootstrapped", spy)
     assert main(["--replicas", "1", "--memory-share", "0.1", "--limit", "120", "--retention", "latest",
                  "--eviction", "marconi", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
     summary = summary[0] if isinstance(summary, list) else summary
     tuning = summary["marconi_tuning"]
+    ((eviction, num_requests, used),) = seen
+    assert (eviction, num_requests, used.as_dict()) == ("marconi:0", 120, tuning)
     assert summary["eviction"] == f"marconi:{tuning['alpha']}"
     assert tuning["window"] == 5 * tuning["first_eviction"] or tuning["window"] == 120
     assert len(tuning["flops_saved"]) == len(PUBLISHED_ALPHAS)
