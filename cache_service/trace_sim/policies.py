@@ -54,6 +54,7 @@ class SimPolicy(ABC):
         self.replica_ids = list(replica_ids)
         self.position = {r: i for i, r in enumerate(self.replica_ids)}
         self.tokens_per_s = tokens_per_s
+        self.seed = seed  # the router's tie-breaks (RouterPolicy), power_of_two's draws
         self.rng = random.Random(seed)
 
     def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
@@ -78,7 +79,7 @@ class RouterPolicy(SimPolicy):
     def __init__(self, *args, policy: RoutingPolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.name = policy.value
-        self.router = Router(self.index, self.coordinator, policy, self.router_config)
+        self.router = Router(self.index, self.coordinator, policy, self.router_config, seed=self.seed)
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now),

@@ -210,3 +210,17 @@ def test_the_index_mirrors_every_replicas_pools_after_a_run_with_evictions():
         # every replica published more KV blocks than its pool holds (1,536 blocks of 1 MiB for
         # ~28K blocks of prompts): eviction events ran
         assert cache.num_stored_blocks[0] > cache.cache.pools[0].num_blocks
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "attention_overlap"])
+def test_seed_drives_the_routers_tie_breaks(policy):
+    """`simulate --seed` reaches the cluster router: on an idle cluster every replica costs the
+    same, so the seeded tie-break alone places each new prompt. Equal seeds place alike; across
+    seeds the placements differ (the router once ignored the seed: every seed placed as seed 0)."""
+    def placements(seed: int) -> list[int]:
+        sim = ClusterSim(SimSettings(LAYOUT, COST, 8, policy, 10**8, mamba_fraction=0.5, seed=seed))
+        return [sim.step(make_request(i, 100.0 * i, [1000 + i])).replica for i in range(12)]
+
+    runs = {seed: placements(seed) for seed in range(4)}
+    assert placements(2) == runs[2]
+    assert len({tuple(p) for p in runs.values()}) == 4
