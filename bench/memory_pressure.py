@@ -25,13 +25,21 @@ Checks printed under the table (and in the JSON's `checks`):
     value >= 1.5 x lru        at the 25% share, both at `latest`
     grid >= latest            dense, 512 and value:3e8 under value, every budget
 
-Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes (~25 min with 2). Writes JSON
-(--out) and a Markdown table (--markdown).
+Seeds: at R > 1 a cell is a chaotic process (a tie-break placed differently re-routes and
+re-evicts enough to move the hit rate by several percent), so `--seeds N` runs each R > 1 cell
+with `simulate --seed` 0..N-1 (the router's tie-breaks) and the table and checks use the mean,
+with each row's largest max - min over its cells as `spread`; Marconi's hindsight column takes its
+best alpha per seed. R = 1 has no routing choice and runs once (its figures do not depend on the
+seed).
+
+Each run is `hybridserve simulate` (the same `run_one`), in --jobs processes (~25 min with 2 and
+one seed). Writes JSON (--out) and a Markdown table (--markdown).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -63,13 +71,14 @@ def trace_path(name: str, folder: Path) -> Path:
 MARCONI_COLUMNS = ("marconi", "marconi-published")  # best alpha in hindsight; as its code tunes it
 
 
-def run_cell(job: tuple[str, Path, int | None, int, float, str, str]) -> list[dict]:
-    """One table cell's rows: one, or Marconi's two (best alpha in hindsight, as its code tunes it)."""
-    trace, path, limit, replicas, share, retention, eviction = job
+def run_cell(job: tuple[str, Path, int | None, int, float, str, str, int]) -> list[dict]:
+    """One table cell's rows at one seed: one, or Marconi's two (best alpha in hindsight, as its
+    code tunes it)."""
+    trace, path, limit, replicas, share, retention, eviction, seed = job
     time_scale = replicas / REFERENCE_REPLICAS
     requests = scale_requests(load_trace(path, limit), 1.0, time_scale, None)
     args = build_parser().parse_args(["--replicas", str(replicas), "--memory-share", str(share),
-                                      "--retention", retention, "--no-progress",
+                                      "--retention", retention, "--no-progress", "--seed", str(seed),
                                       "--time-scale", str(time_scale)])  # recorded in the summary
     if eviction == "marconi":
         runs = [run_one(args, "hybrid", f"marconi:{a}", requests)[0] for a in MARCONI_ALPHAS]
@@ -79,7 +88,7 @@ def run_cell(job: tuple[str, Path, int | None, int, float, str, str]) -> list[di
     else:
         summary, _ = run_one(args, "hybrid", eviction, requests)
         picked = [(eviction.split(":")[0], summary)]
-    return [{"trace": trace, "replicas": replicas, "share": share, "retention": retention,
+    return [{"trace": trace, "replicas": replicas, "share": share, "retention": retention, "seed": seed,
              "cell": f"{retention}/{column}", "eviction": summary["eviction"], "hit_rate": summary["hit_rate"],
              "flops_saved_share": summary["flops_saved_share"], "state_turnover": summary["state_turnover"],
              "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p95_s": summary["ttft_s"]["p95"],
@@ -91,12 +100,23 @@ def cell_name(row: dict) -> str:
     return row.get("cell") or f"{row['retention']}/{row['eviction'].split(':')[0]}"
 
 
-def hit_rates(rows: list[dict]) -> dict[tuple, dict[str, float]]:
-    """(trace, R, share) -> cell name -> hit rate, in the rows' order."""
-    by_key: dict[tuple, dict[str, float]] = {}
+def seed_runs(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
+    """(trace, R, share) -> cell name -> the hit rate of each seed run, in the rows' order."""
+    by_key: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
-        by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})[cell_name(r)] = r["hit_rate"]
+        cells = by_key.setdefault((r["trace"], r["replicas"], r["share"]), {})
+        cells.setdefault(cell_name(r), []).append(r["hit_rate"])
     return by_key
+
+
+def hit_rates(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """(trace, R, share) -> cell name -> hit rate (the mean over its seed runs), in the rows' order."""
+    return {key: {name: sum(v) / len(v) for name, v in cells.items()} for key, cells in seed_runs(rows).items()}
+
+
+def spread(runs: dict[str, list[float]]) -> float:
+    """The largest max - min over one row's cells (0 with one seed)."""
+    return max((max(v) - min(v) for v in runs.values()), default=0.0)
 
 
 def checks(rows: list[dict]) -> list[dict]:
@@ -130,15 +150,20 @@ def markdown(rows: list[dict], found: list[dict]) -> str:
     present = list(dict.fromkeys(cell_name(x) for x in rows))
     known = [f"{r}/{c}" for r, e in CELLS for c in (MARCONI_COLUMNS if e == "marconi" else (e,))]
     names = [n for n in known if n in present] + [n for n in present if n not in known]
-    lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / published | value / lru |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |"]
+    runs = seed_runs(rows)
+    seeded = any(len(v) > 1 for cells in runs.values() for v in cells.values())
+    extra, rule = (" spread |", " --- |") if seeded else ("", "")
+    lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / published | value / lru |"
+             + extra,
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |" + rule]
     for (trace, replicas, share), hits in hit_rates(rows).items():
         v, m, lru = hits.get("latest/value"), hits.get("latest/marconi"), hits.get("latest/lru")
         mp = hits.get("latest/marconi-published")
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
         lines.append(f"| {trace} | {replicas} | {share:g} | "
                      + " | ".join(f"{hits[n]:.4f}" if n in hits else "-" for n in names)
-                     + f" | {ratio(v, m)} | {ratio(v, mp)} | {ratio(v, lru)} |")
+                     + f" | {ratio(v, m)} | {ratio(v, mp)} | {ratio(v, lru)} |"
+                     + (f" {spread(runs[(trace, replicas, share)]):.4f} |" if seeded else ""))
     failed = [c for c in found if not c["holds"]]
     lines.append("")
     lines.append(f"checks: {len(found) - len(failed)} of {len(found)} hold")
@@ -156,29 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", default=",".join(f"{r}/{e}" for r, e in DEFAULT_CELLS),
                    help="retention/eviction pairs, comma-separated")
     p.add_argument("--limit", type=int, default=None, help="only each trace's first N requests")
-    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per R > 1 cell, simulate --seed 0..N-1; the table gives the mean (R = 1 runs once)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes (1: in this process)")
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
     folder = tempfile.TemporaryDirectory(prefix="memory-pressure-")
     try:
+        if args.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
         cells = [tuple(c.split("/", 1)) for c in args.cells.split(",")]
         if any(len(c) != 2 for c in cells):
             raise ValueError(f"--cells takes retention/eviction pairs, got {args.cells!r}")
         paths = {t: trace_path(t, Path(folder.name)) for t in args.traces.split(",")}
-        jobs = [(t, path, args.limit, int(r), float(s), ret, ev) for t, path in paths.items()
-                for r in args.replicas.split(",") for s in args.shares.split(",") for ret, ev in cells]
+        jobs = [(t, path, args.limit, int(r), float(s), ret, ev, seed) for t, path in paths.items()
+                for r in args.replicas.split(",") for s in args.shares.split(",") for ret, ev in cells
+                for seed in range(args.seeds if int(r) > 1 else 1)]
     except ValueError as exc:
         folder.cleanup()
         print(f"bench.memory_pressure: {exc}", file=sys.stderr)
         return 2
     rows = []
-    with folder, ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for i, cell_rows in enumerate(pool.map(run_cell, jobs), 1):
+    with folder, contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs)) if args.jobs > 1 else None
+        for i, cell_rows in enumerate(pool.map(run_cell, jobs) if pool else map(run_cell, jobs), 1):
             rows.extend(cell_rows)
             for row in cell_rows:
                 print(f"[{i}/{len(jobs)}] {row['trace']} R={row['replicas']} share {row['share']:g} "
-                      f"{cell_name(row)} ({row['eviction']}): {row['hit_rate']:.4f}", file=sys.stderr)
+                      f"{cell_name(row)} ({row['eviction']}) seed {row['seed']}: {row['hit_rate']:.4f}",
+                      file=sys.stderr)
     found = checks(rows)
     table = markdown(rows, found)
     print(table, file=sys.stderr)

@@ -3,6 +3,8 @@ hold and to fail."""
 
 import json
 
+import pytest
+
 import bench.memory_pressure as mp
 from bench.memory_pressure import checks, main, markdown
 from cache_service.trace_sim.cli import DEFAULT_TRACE
@@ -73,6 +75,41 @@ def test_bad_arguments_are_refused_with_a_message(capsys):
     assert "unknown trace 'nope'" in capsys.readouterr().err
     assert main(["--cells", "latest"]) == 2
     assert "retention/eviction pairs" in capsys.readouterr().err
+    assert main(["--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_seeds_rerun_the_routed_cells_and_the_table_takes_their_mean(monkeypatch, capsys):
+    """`--seeds 3`: each R > 1 cell runs at simulate --seed 0, 1, 2 (R = 1 once: no routing
+    choice); the table, its spread column and the checks use each cell's mean. `run_one` is
+    replaced to isolate the bookkeeping: its hit rate is a function of the seed it is given."""
+    seen = []
+
+    def fake_run_one(args, policy, eviction, requests):
+        seen.append((args.replicas, args.retention, eviction, args.seed))
+        rate = {"lru": 0.1, "value": 0.2 + 0.01 * args.seed}[eviction]
+        if args.retention == "dense":
+            rate = 0.25 - 0.05 * args.seed  # above latest at seed 0, below it on the mean
+        return {"eviction": eviction, "hit_rate": rate, "flops_saved_share": 0.0, "state_turnover": 0.0,
+                "ttft_s": {"p50": 0.0, "p95": 0.0}}, []
+
+    monkeypatch.setattr(mp, "run_one", fake_run_one)
+    assert main(["--limit", "20", "--jobs", "1", "--traces", "shipped", "--replicas", "1,4", "--shares", "0.5",
+                 "--cells", "latest/lru,latest/value,dense/value", "--seeds", "3"]) == 0
+    cells = [("latest", "lru"), ("latest", "value"), ("dense", "value")]
+    assert sorted(seen) == sorted([(1, r, e, 0) for r, e in cells] + [(4, r, e, s) for r, e in cells for s in range(3)])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert sorted(r["seed"] for r in report["rows"] if r["replicas"] == 4) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    dense = {c["replicas"]: c for c in report["checks"] if c["check"] == "dense/value >= latest/value"}
+    assert dense[1]["holds"] and (dense[1]["left"], dense[1]["right"]) == (0.25, 0.2)  # R = 1: seed 0
+    assert not dense[4]["holds"]  # the mean, 0.20 < 0.21, though seed 0 alone would hold
+    assert (dense[4]["left"], dense[4]["right"]) == (pytest.approx(0.20), pytest.approx(0.21))
+    table = markdown(report["rows"], report["checks"])
+    assert ("| latest/lru | latest/value | dense/value | value / marconi | value / published | value / lru "
+            "| spread |") in table
+    assert "| shipped | 4 | 0.5 | 0.1000 | 0.2100 | 0.2000 | - | - | 2.10 | 0.1000 |" in table  # dense: 0.25 - 0.15
+    assert "| shipped | 1 | 0.5 | 0.1000 | 0.2000 | 0.2500 | - | - | 2.00 | 0.0000 |" in table
 
 
 def test_marconi_cell_keeps_the_best_alpha_of_every_run_and_the_published_one(monkeypatch):
@@ -90,7 +127,7 @@ def test_marconi_cell_keeps_the_best_alpha_of_every_run_and_the_published_one(mo
                 "state_turnover": 0.0, "ttft_s": {"p50": 0.0, "p95": 0.0}}, []
 
     monkeypatch.setattr(mp, "run_one", fake_run_one)
-    got = mp.run_cell(("shipped", DEFAULT_TRACE, 30, 2, 0.25, "latest", "marconi"))
+    got = mp.run_cell(("shipped", DEFAULT_TRACE, 30, 2, 0.25, "latest", "marconi", 0))
     assert [e for e, *_ in seen] == [f"marconi:{a}" for a in MARCONI_ALPHAS] + ["marconi"]
     assert {(n, r, s) for _, n, r, s in seen} == {(30, 2, 0.25)}  # one cell's requests and budget
     assert [(r["cell"], r["eviction"], r["hit_rate"]) for r in got] == [
