@@ -230,3 +230,46 @@ def test_a_transfer_is_served_from_the_holders_host_tier(tiny_model, streamed):
     (warm,) = dst.generate([prompt], PARAMS)
     assert warm.num_cached_tokens == hit and warm.token_ids == cold.token_ids
     assert warm.num_computed_prompt_tokens == 300 - hit
+
+
+def test_tp1_sends_from_and_receives_into_the_cache_tensors_themselves(tiny_model, monkeypatch):
+    """TP 1 is zero copy (`transfer_rows`): the sender's chunk sources are the engine's own page
+    tensors with the pages' block ids as rows, and a streamed transfer's chunks land in the
+    receiver's cache storage itself. A change that gathered or staged copies at TP 1 (as TP n
+    must) would pass every byte-exact test and fail this one."""
+    import threading
+
+    from workers import transfer_recv
+    from workers.transfer_rows import group_tensors, send_sources
+
+    src, dst = (make_engine(tiny_model, num_spec_tokens=0) for _ in range(2))
+    groups = len(src.cache.layout.groups)
+    ids = [[1, 2, 3] if g == 0 else [1] for g in range(groups)]
+    tensors, rows = send_sources(src.cache, ids)
+    assert rows == ids
+    for g in range(groups):
+        own = group_tensors(src.cache, g)
+        assert [t.data_ptr() for t in tensors[g]] == [t.data_ptr() for t in own]
+        assert [t.shape for t in tensors[g]] == [t.shape for t in own]
+    landed = []
+    target = transfer_recv._Landing.target
+
+    def spy(self, k, nbytes):
+        out = target(self, k, nbytes)
+        landed.append((self.staged, out))
+        return out
+
+    monkeypatch.setattr(transfer_recv._Landing, "target", spy)
+    prompt = make_prompt(300, 4)
+    (cold,) = src.generate([prompt], PARAMS)
+    send_end, recv_end = _pair()
+    sender = threading.Thread(target=send_prefix, args=(src.cache, _hashes(src, prompt), 256, send_end))
+    sender.start()
+    assert recv_prefix(dst.cache, recv_end) > 0
+    sender.join(timeout=30)
+    storages = {t.untyped_storage().data_ptr() for g in range(groups) for t in group_tensors(dst.cache, g)}
+    in_place = [buf for staged, (buf, direct) in landed if direct]
+    assert landed and not any(staged for staged, _ in landed)
+    assert in_place and all(buf.untyped_storage().data_ptr() in storages for buf in in_place)
+    (warm,) = dst.generate([prompt], PARAMS)
+    assert warm.num_cached_tokens == 256 and warm.token_ids == cold.token_ids

@@ -17,7 +17,8 @@ import torch
 from cache_service.block_hash import RequestBlockHashes
 from tests.conftest import make_engine
 from tests.model.tp_helpers import TRAINED, code_prompts
-from workers.engine.page_tensors import read_rows
+from workers import transfer_rows
+from workers.engine.page_tensors import read_rows, tp_size_of
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_model
 from workers.tp_worker import launch_local_tp
@@ -53,11 +54,31 @@ def _hashes(engine):
                               model_fingerprint=engine.config.model_fingerprint)
 
 
+TP_COMMANDS: list[str] = []  # the thread of every TP command a transfer issued (`_commands_on_the_loop`)
+
+
+@pytest.fixture(autouse=True)
+def _commands_on_the_loop(monkeypatch):
+    """Record the thread that issues each TP command of a transfer (`transfer_rows`' gather of
+    every rank's rows, its scatter on receipt): `_stream` requires the loop's. A gather moved off
+    the loop thread still moves the right bytes here, where nothing else talks to the TP group."""
+    TP_COMMANDS.clear()
+
+    def recorded(real):
+        def spy(*args, **kwargs):
+            TP_COMMANDS.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("read_rows", "write_rows"):
+        monkeypatch.setattr(transfer_rows, name, recorded(getattr(transfer_rows, name)))
+
+
 class _Loop:
     """One thread that issues an engine's TP commands, as the replica's loop thread does (`on_loop`)."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="engine-loop")
 
     def __call__(self, fn):
         return self.pool.submit(fn).result()
@@ -100,6 +121,8 @@ def _stream(src, dst, channel, num_tokens: int = HIT, **send_kw) -> int:
         src_loop.pool.shutdown()
         dst_loop.pool.shutdown()
         assert not sender.is_alive() and "error" not in sent, sent
+        assert TP_COMMANDS or tp_size_of(src.cache) == 1  # a TP n sender gathers
+        assert all(t.startswith("engine-loop") for t in TP_COMMANDS), TP_COMMANDS
 
 
 def _rows(engine, wanted) -> list[tuple[torch.Tensor, ...]]:
