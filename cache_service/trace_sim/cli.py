@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --host-memory-gib: the cluster's host memory as this share of the "
                         "trace's working set, split over the replicas")
     p.add_argument("--mamba-fraction", type=float, default=0.25, help="share of that memory for state pages")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the routers' tie-breaks and power_of_two's draws (at R > 1 a run is chaotic: compare seeds)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="divide arrival times by this (2 = twice the request rate)")
     p.add_argument("--scale", type=float, default=1.0,
