@@ -111,7 +111,12 @@ def seed_runs(rows: list[dict]) -> dict[tuple, dict[str, list[float]]]:
 
 def hit_rates(rows: list[dict]) -> dict[tuple, dict[str, float]]:
     """(trace, R, share) -> cell name -> hit rate (the mean over its seed runs), in the rows' order."""
-    return {key: {name: sum(v) / len(v) for name, v in cells.items()} for key, cells in seed_runs(rows).items()}
+    return means(seed_runs(rows))
+
+
+def means(runs: dict[tuple, dict[str, list[float]]]) -> dict[tuple, dict[str, float]]:
+    """`seed_runs`' grouping with each cell's runs replaced by their mean."""
+    return {key: {name: sum(v) / len(v) for name, v in cells.items()} for key, cells in runs.items()}
 
 
 def spread(runs: dict[str, list[float]]) -> float:
@@ -156,7 +161,7 @@ def markdown(rows: list[dict], found: list[dict]) -> str:
     lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / published | value / lru |"
              + extra,
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |" + rule]
-    for (trace, replicas, share), hits in hit_rates(rows).items():
+    for (trace, replicas, share), hits in means(runs).items():
         v, m, lru = hits.get("latest/value"), hits.get("latest/marconi"), hits.get("latest/lru")
         mp = hits.get("latest/marconi-published")
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
