@@ -31,7 +31,7 @@ from cache_service.trace_sim.policies import POLICY_NAMES
 from cache_service.trace_sim.stepped_engine import make_cluster_sim
 from cache_service.trace_sim.summary import summarize
 from cache_service.trace_sim.trace import TraceError, load_trace, scale_requests
-from cache_service.trace_sim.tuning import run_bootstrapped, tune_marconi_alpha
+from cache_service.trace_sim.tuning import run_bootstrapped, ticks, tune_marconi_alpha
 from cache_service.trace_sim.working_set import working_set_bytes
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
@@ -122,7 +122,7 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
     sim = make_cluster_sim(settings)
     bar = None if args.no_progress else _bar(policy, len(requests))
     start, cpu = time.perf_counter(), time.process_time()
-    on_step = (lambda _r: bar.update(1)) if bar is not None else None
+    on_step = ticks(bar)
     records = run_bootstrapped(sim, requests, tuning, on_step) if tuning else sim.run(requests, on_step)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if bar is not None:

@@ -94,28 +94,32 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
+def ticks(bar: Progress | None) -> Callable[[object], None] | None:
+    """An `on_step` that ticks `bar` once per request run (None without a bar)."""
+    return (lambda _record: bar.update(1)) if bar is not None else None
+
+
 def tune_marconi_alpha(settings: SimSettings, requests: Sequence[TraceRequest],
                        alphas: Sequence[float] = PUBLISHED_ALPHAS,
                        multiplier: int = BOOTSTRAP_MULTIPLIER,
                        progress: Callable[[str, int], Progress] | None = None) -> MarconiTuning:
     """Marconi's bootstrap on `requests` (module docstring). `progress(description, total)`: a
     bar for each phase (the run to the first eviction, the replays), ticked per request."""
-    bar = progress("marconi: run to its first eviction", len(requests)) if progress else None
-    n0 = first_eviction(settings, requests, (lambda _r: bar.update(1)) if bar else None)
-    if bar:
+    bar = progress("marconi: run to its first eviction", len(requests)) if progress is not None else None
+    n0 = first_eviction(settings, requests, ticks(bar))
+    if bar is not None:
         bar.close()
     if n0 is None:
         return MarconiTuning(0.0, None, 0, {})
     window = list(requests[: multiplier * n0])
     cost = EvictionConfig(settings.eviction, settings.layout.attention_crossover_tokens).build().cost
     bar = progress(f"marconi: {len(alphas)} alphas over its first {len(window)} requests",
-                   len(alphas) * len(window)) if progress else None
+                   len(alphas) * len(window)) if progress is not None else None
     saved = {}
     for alpha in alphas:
-        records = ClusterSim(replace(settings, eviction=f"marconi:{alpha}")).run(
-            window, (lambda _r: bar.update(1)) if bar else None)
+        records = ClusterSim(replace(settings, eviction=f"marconi:{alpha}")).run(window, ticks(bar))
         saved[alpha] = sum(cost(r.hit_tokens) for r in records)
-    if bar:
+    if bar is not None:
         bar.close()
     best = max(alphas, key=lambda a: (saved[a], -a))
     return MarconiTuning(best, n0, len(window), saved)
