@@ -95,7 +95,10 @@ def test_each_role_scales_as_itself_and_its_new_replica_serves(ray_session, tiny
         with pytest.raises(Exception, match=r"at most 2 decode replicas \(cluster.pd.max_decode\)"):
             backend.add_replicas(1, role=DECODE)  # refused before anything starts
         kill_replica(backend, new_decode)  # the new decoder alone now: it must take every hand-off
-        _wait(lambda: role_ids(DECODE) == (second_decode,), "the first decoder purged")
+        # purged by the controller and gone from this front door's membership (polled): a decoder it
+        # still listed would be picked, refuse the hand-off, and the prefill replica would decode
+        _wait(lambda: role_ids(DECODE) == (second_decode,) and backend.replicas.get(new_decode) is None,
+              "the first decoder purged, here too")
         finals = [backend.generate(p, PARAMS) for p in prompts]
         assert [o.token_ids for o, _ in finals] == expect
         assert {served for _, served in finals} == {second_decode} and work(second_decode) == 0
