@@ -33,17 +33,23 @@ demo: $(STAMP)
 
 # The fault tests too long for make test's 15 minutes (marker `chaos`): node loss, the GCS restart with
 # Redis, the chaos soak's short form (tests/cluster/test_chaos.py) and the seven-scenario fault injection
-# (tests/cluster/test_faults.py): 12 passed in 6 min 36 s on 6 Dec; the full soak is
-# `python -m bench.chaos --minutes 10`. Same needs as test's bed, plus redis-server.
+# (tests/cluster/test_faults.py): 12 passed in 6 min 36 s on 6 Dec. Since 7 Dec also controller loss
+# (test_controller_restart.py), replicas replaced after a death or a dead engine loop
+# (test_replica_restart_ray.py, test_engine_supervision.py), a replica killed under load
+# (test_ray_cluster.py), a frozen one (test_control_plane_load.py) and a front door killed mid-load
+# (test_frontdoors.py): 8 tests, ~2.5 min more. The full soak is `python -m bench.chaos --minutes 10`.
+# Same needs as test's bed, plus redis-server.
 chaos: $(STAMP)
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && apt-get install -y -qq iproute2 redis-server >/dev/null; } \
 		|| echo "redis-server missing: the soak's gcs_restart test skips"
 	$(PY) -m pytest -q -m chaos tests/cluster
 
-# End-to-end benchmark runs too long for make test (marker `long`): the P/D interference load test
-# against a mixed and a --pd server (tests/cluster/test_loadtest_interference.py, ~50 s) and the
-# control-plane benchmark run from the checkout's root (tests/bench/test_bench_outputs.py, ~30 s).
+# End-to-end runs too long for make test (marker `long`): the P/D interference load test against a
+# mixed and a --pd server (tests/cluster/test_loadtest_interference.py, ~50 s), the control-plane and
+# fault benchmarks run from the checkout's root (tests/bench/test_bench_outputs.py, ~55 s), `ray start`
+# + `ray job submit` (test_ray_job_submit.py, ~37 s), `loadtest --compare` (~15 s) and the loader RSS
+# benchmark (~13 s).
 long: $(STAMP)
 	$(PY) -m pytest -q -m long tests
 

@@ -26,6 +26,7 @@ rate); the report (with every round's row) goes to `--out` (default out/bench-ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -181,6 +182,19 @@ def measure(model, prompt_len: int, repeats: int, spec_tokens: int, eagle: str, 
                        for r in rounds]}
 
 
+def _measure_at(model_dir: str, args: argparse.Namespace) -> dict:
+    """`measure` on the checkpoint in `model_dir`, with `--threads` torch threads (restored after)."""
+    from workers.model.loader import load_model
+
+    model = load_model(model_dir, device=args.device, kernels="torch" if args.device == "cpu" else "auto")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return measure(model, args.prompt_len, args.repeats, args.spec_tokens, args.eagle, args.device)
+    finally:
+        torch.set_num_threads(threads)  # as it was (a caller in the same process, e.g. a test session)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host_tier_ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,24 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len < 65 or args.repeats < 1 or args.spec_tokens < 0 or args.threads < 1:
         p.error("--prompt-len must be >= 65 (a hit needs a 64-token Mamba page), --repeats and --threads >= 1, "
                 "--spec-tokens >= 0")
-    from workers.model.loader import load_model
+    with contextlib.ExitStack() as stack:
+        model_dir = args.model
+        if model_dir is None:  # a random checkpoint, removed after the run
+            from workers.model.init_model import main as init_main
 
-    model_dir = args.model
-    if model_dir is None:
-        from workers.model.init_model import main as init_main
-
-        model_dir = tempfile.mkdtemp(prefix="hybridserve-host-ttft-")
-        if init_main(["--config", args.config, "--out", model_dir, "--seed", "0"]) != 0:
-            p.error(f"could not write a checkpoint from {args.config}")
-    model = load_model(model_dir, device=args.device, kernels="torch" if args.device == "cpu" else "auto")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        report = {"model": args.model or args.config,
-                  **measure(model, args.prompt_len, args.repeats, args.spec_tokens, args.eagle, args.device)}
-    finally:
-        torch.set_num_threads(threads)  # as it was (a caller in the same process, e.g. a test session)
-    write_report(args.out, report)
+            model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridserve-host-ttft-"))
+            if init_main(["--config", args.config, "--out", model_dir, "--seed", "0"]) != 0:
+                p.error(f"could not write a checkpoint from {args.config}")
+        report = {"model": args.model or args.config, **_measure_at(model_dir, args)}
+    print(f"report: {write_report(args.out, report)}")
     print(table(report))
     return 0
 

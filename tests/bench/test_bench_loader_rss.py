@@ -6,6 +6,7 @@ from bench.loader_rss import main
 
 
 @pytest.mark.heavy
+@pytest.mark.long  # ~13 s, the whole benchmark: make long
 def test_loader_rss_benchmark_small(capsys):
     """The benchmark runs end to end on a small multi-shard checkpoint and every mode reports a peak."""
     assert main(["--small", "--shard-mib", "4"]) == 0

@@ -57,6 +57,7 @@ def test_300_concurrent_streams_are_queued_served_and_nobody_is_purged(cluster):
     assert not [e for e in autoscaler.history if e.action.value == "up"]  # already at max: nothing added
 
 
+@pytest.mark.chaos  # a replica frozen: make chaos
 def test_a_replica_that_stops_answering_is_purged_and_stopped_and_replaced_within_max(tiny_dir):
     """A replica whose health checks stall is purged after `health_max_missed` misses, its actor
     is stopped (a call to it fails as dead), requests in flight elsewhere complete, and the

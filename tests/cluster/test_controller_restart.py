@@ -26,7 +26,7 @@ from tests.conftest import make_prompt
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.heavy, pytest.mark.chaos, pytest.mark.timeout(180)]  # controller loss: make chaos
 
 ENGINE = EngineConfig(kernels="torch", max_model_len=1024, cache_memory_bytes=48 * 2**20)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

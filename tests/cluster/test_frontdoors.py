@@ -52,6 +52,7 @@ def test_a_second_front_door_attaches_by_name_and_leaving_stops_nothing(cluster,
     assert again.token_ids == cold.token_ids and owner.replica_ids == other.replica_ids
 
 
+@pytest.mark.chaos  # a front door killed mid-load: make chaos
 def test_killing_one_of_two_front_doors_mid_load_loses_none_of_the_others_requests(cluster, tiny_dir):
     import ray
 

@@ -279,6 +279,7 @@ def test_chat_and_http_errors_against_a_real_server(server):
 
 
 @pytest.mark.heavy
+@pytest.mark.long  # ~15 s, two servers: make long
 @pytest.mark.timeout(300)
 def test_compare_spawns_one_server_per_variant(tmp_path, capsys):
     # each variant's server on the in-process backend: what is tested is one server per variant, not

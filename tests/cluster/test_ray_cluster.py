@@ -53,6 +53,7 @@ def test_resend_routed_to_the_holder_hits_and_replica_death_loses_nothing(ray_se
         backend.shutdown()
 
 
+@pytest.mark.chaos  # a replica killed under load: make chaos (the resend test above kills one idle)
 def test_replica_killed_under_load_loses_no_request_and_outputs_match(ray_session, tiny_dir):
     backend = _backend(tiny_dir)
     try:

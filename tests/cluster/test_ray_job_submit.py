@@ -16,7 +16,7 @@ import pytest
 
 from tests.cluster.test_frontend_http import _free_port
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.heavy, pytest.mark.long, pytest.mark.timeout(300)]  # `ray start` + job submit: make long
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -218,7 +218,7 @@ def test_seed_drives_the_routers_tie_breaks(policy):
     same, so the seeded tie-break alone places each new prompt. Equal seeds place alike; across
     seeds the placements differ (the router once ignored the seed: every seed placed as seed 0)."""
     def placements(seed: int) -> list[int]:
-        sim = ClusterSim(SimSettings(LAYOUT, COST, 8, policy, 10**8, mamba_fraction=0.5, seed=seed))
+        sim = ClusterSim(SimSettings(LAYOUT, COST, 8, policy, 10**7, mamba_fraction=0.5, seed=seed))
         return [sim.step(make_request(i, 100.0 * i, [1000 + i])).replica for i in range(12)]
 
     runs = {seed: placements(seed) for seed in range(4)}
