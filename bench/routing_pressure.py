@@ -12,6 +12,8 @@ every trace) measured under memory pressure.
               budget, i.e. the whole share of the working set), so nothing is held twice and no
               request misses for landing on the wrong replica; compute still goes to the least
               loaded of the R queues (`trace_sim.policies.Oracle`)
+    host tier --host-share H gives every replica a host tier (`simulate --host-memory-share`): H
+              times the working set over the R replicas, the oracle R x that too (default: none)
     not run   a cell whose per-replica budget gives a group fewer than 2 pages (a state page is
               69 MiB; one is the null block) cannot be built: reported, not failed; the oracle,
               with the budgets pooled, still runs
@@ -42,21 +44,23 @@ TARGET = 0.95  # hybrid's share of the oracle's hit tokens, issue 28 item 4
 RETENTION, EVICTION = "latest", "value"
 
 
-def run_cell(job: tuple[str, Path, int | None, int, float, str]) -> dict:
-    """One simulated run: `policy` on one trace at R replicas and a share of its working set."""
-    trace, path, limit, replicas, share, policy = job
+def run_cell(job: tuple[str, Path, int | None, int, float, str, float | None]) -> dict:
+    """One simulated run: `policy` on one trace at R replicas and a share of its working set (and
+    a host tier of `host_share` of it, when given)."""
+    trace, path, limit, replicas, share, policy, host_share = job
     time_scale = replicas / REFERENCE_REPLICAS
     requests = scale_requests(load_trace(path, limit), 1.0, time_scale, None)
     args = build_parser().parse_args(["--replicas", str(replicas), "--memory-share", str(share),
                                       "--retention", RETENTION, "--no-progress",
-                                      "--time-scale", str(time_scale)])  # recorded in the summary
-    cell = {"trace": trace, "replicas": replicas, "share": share, "policy": policy}
+                                      "--time-scale", str(time_scale),  # recorded in the summary
+                                      *(["--host-memory-share", str(host_share)] if host_share else [])])
+    cell = {"trace": trace, "replicas": replicas, "share": share, "policy": policy, "host_share": host_share}
     try:
         summary, _ = run_one(args, policy, EVICTION, requests)
     except SimConfigError as exc:  # a replica's budget below 2 pages of some group: nothing to run
         return dict(cell, num_hit_tokens=None, hit_rate=None, error=str(exc))
     keys = ("num_requests", "num_input_tokens", "num_hit_tokens", "hit_rate", "num_transfer_tokens",
-            "num_refused_prefills", "budget_bytes_per_replica")
+            "num_refused_prefills", "budget_bytes_per_replica", "host_bytes_per_replica", "num_host_hit_tokens")
     return dict(cell, **{k: summary[k] for k in keys})
 
 
@@ -143,13 +147,15 @@ def parse_jobs(args: argparse.Namespace, folder: Path) -> list[tuple]:
         raise ValueError(f"--replicas must all be >= 1, got {args.replicas!r}")
     if any(not s > 0 for s in shares):
         raise ValueError(f"--shares must all be positive, got {args.shares!r}")
+    if args.host_share is not None and not args.host_share > 0:
+        raise ValueError(f"--host-share must be positive, got {args.host_share}")
     others = [p for p in POLICY_NAMES if p not in ("hybrid", "oracle")]
     baseline = [] if args.baseline == "none" else [args.baseline]
     if baseline and args.baseline not in others:
         raise ValueError(f"--baseline must be one of {', '.join(others)} or none, got {args.baseline!r}")
     paths = {t: trace_path(t, folder) for t in args.traces.split(",")}
-    return [(t, path, args.limit, r, s, p) for t, path in paths.items() for r in replicas for s in shares
-            for p in ("hybrid", "oracle", *baseline)]
+    return [(t, path, args.limit, r, s, p, args.host_share) for t, path in paths.items() for r in replicas
+            for s in shares for p in ("hybrid", "oracle", *baseline)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", default="16,64")
     p.add_argument("--shares", default="0.1,0.25,0.5,1.0")
     p.add_argument("--baseline", default="round_robin", help="a third policy for context, or 'none'")
+    p.add_argument("--host-share", type=float, default=None,
+                   help="a host tier per replica: this share of the working set over the replicas (default: none)")
     p.add_argument("--limit", type=int, default=None, help="only each trace's first N requests")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     found = checks(rows)
     table = markdown(rows, found)
     print(table, file=sys.stderr)
-    text = json.dumps({"target": TARGET, "retention": RETENTION, "eviction": EVICTION,
+    text = json.dumps({"target": TARGET, "retention": RETENTION, "eviction": EVICTION, "host_share": args.host_share,
                        "rows": rows, "checks": found}, indent=2)
     print(text)
     for path, content in ((args.out, text + "\n"), (args.markdown, table)):

@@ -90,3 +90,28 @@ def test_bad_arguments_are_refused_with_a_message(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_host_tier_reaches_every_replica_and_the_oracle_pools_it(capsys):
+    """`--host-share`: every run gets a host tier (the oracle R x the per-replica one) and serves
+    hits from it; without the flag no run has one. At R = 1 the oracle is the replica, host tier
+    and all, so they hit alike; the host tier adds hits the device budget alone lost."""
+    argv = ["--traces", "chat", "--limit", "200", "--jobs", "1", "--replicas", "1", "--shares", "0.1",
+            "--baseline", "none"]
+    assert main([*argv, "--host-share", "1.0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert report["host_share"] == 1.0 and all(r["host_share"] == 1.0 for r in rows.values())
+    assert rows["hybrid"]["host_bytes_per_replica"] == rows["oracle"]["host_bytes_per_replica"] > 0
+    assert rows["hybrid"]["num_host_hit_tokens"] > 0
+    assert rows["hybrid"]["num_hit_tokens"] == rows["oracle"]["num_hit_tokens"]
+    assert main(argv) == 0
+    without = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert all(r["host_bytes_per_replica"] == 0 and r["num_host_hit_tokens"] == 0 for r in without.values())
+    assert rows["hybrid"]["num_hit_tokens"] > without["hybrid"]["num_hit_tokens"]
+
+
+@pytest.mark.parametrize("flag", ["0", "-0.5"])
+def test_a_host_share_that_is_not_positive_is_refused(flag, capsys):
+    assert main(["--host-share", flag, "--limit", "10"]) == 2
+    assert "--host-share must be positive" in capsys.readouterr().err
