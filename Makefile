@@ -37,7 +37,7 @@ demo: $(STAMP)
 # (test_controller_restart.py), replicas replaced after a death or a dead engine loop
 # (test_replica_restart_ray.py, test_engine_supervision.py), a replica killed under load
 # (test_ray_cluster.py), a frozen one (test_control_plane_load.py) and a front door killed mid-load
-# (test_frontdoors.py): 8 tests, ~2.5 min more. The full soak is `python -m bench.chaos --minutes 10`.
+# (test_frontdoors.py): 20 passed in 7 min 57 s on 7 Dec. The full soak is `python -m bench.chaos --minutes 10`.
 # Same needs as test's bed, plus redis-server.
 chaos: $(STAMP)
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -87,7 +87,7 @@ def run_cell(job: tuple[str, Path, int | None, int, float, str, str, int]) -> li
         picked = [("marconi", best), ("marconi-published", published)]
     else:
         summary, _ = run_one(args, "hybrid", eviction, requests)
-        picked = [(eviction.split(":")[0], summary)]
+        picked = [(eviction, summary)]  # value:T keeps its T: its own column beside value
     return [{"trace": trace, "replicas": replicas, "share": share, "retention": retention, "seed": seed,
              "cell": f"{retention}/{column}", "eviction": summary["eviction"], "hit_rate": summary["hit_rate"],
              "flops_saved_share": summary["flops_saved_share"], "state_turnover": summary["state_turnover"],

@@ -16,7 +16,8 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               prefix that has served a hit, cost(p) - cost(q) (a state above a shared system
               prompt's is worth the tokens past it; a request's own grid, never reused yet,
               is worth its whole prefix, so its deepest state outranks the rest); t counts admitted requests,
-              never snapshots; tau is twice the mean reuse distance seen so far, in requests (at least 1). Since
+              never snapshots; tau is twice the mean reuse distance seen so far, in requests (at least 1;
+              `value:T` takes T times it instead of twice). Since
                   log v = log(gain * (1 + reuses) / bytes) + t_used / tau  -  t / tau
               and the last term is common to every state, the order only changes on use: a heap,
               Grid states (retention's periodic positions) go before any boundary state (replay,
@@ -142,7 +143,7 @@ class MarconiEviction(CheckpointEviction):
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`) and the model's attention
+    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T`) and the model's attention
     crossover (see the module doc); `build` makes one policy object per Mamba pool."""
 
     policy: str = "value"
@@ -164,16 +165,20 @@ class EvictionConfig:
 
 
 def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = None) -> CheckpointEviction:
-    """`lru`, `marconi`, `marconi:ALPHA` or `value`."""
+    """`lru`, `marconi`, `marconi:ALPHA`, `value` or `value:T` (T: tau per mean reuse distance)."""
     name, _, arg = str(spec).strip().lower().partition(":")
     if name == "lru" and not arg:
         return LruEviction(page_bytes, cost)
-    if name == "value" and not arg:
-        return ValueEviction(page_bytes, cost)
+    if name == "value":
+        try:
+            tau_per_mean_reuse = float(arg) if arg else ValueEviction.TAU_PER_MEAN_REUSE
+        except ValueError:
+            raise EvictionError(f"eviction {spec!r}: expected value:T with a number") from None
+        return ValueEviction(page_bytes, cost, tau_per_mean_reuse=tau_per_mean_reuse)
     if name == "marconi":
         try:
             alpha = float(arg) if arg else 1.0
         except ValueError:
             raise EvictionError(f"eviction {spec!r}: expected marconi:ALPHA with a number") from None
         return MarconiEviction(page_bytes, cost, alpha)
-    raise EvictionError(f"unknown eviction policy {spec!r}; expected one of lru, marconi[:ALPHA], value")
+    raise EvictionError(f"unknown eviction policy {spec!r}; expected one of lru, marconi[:ALPHA], value[:T]")

@@ -7,7 +7,7 @@ import heapq
 import math
 
 from cache_service.block_hash import BlockHash
-from cache_service.eviction_policy import CheckpointEviction, RecomputeCost, StateEntry, learn_position
+from cache_service.eviction_policy import CheckpointEviction, EvictionError, RecomputeCost, StateEntry, learn_position
 
 
 class ValueEviction(CheckpointEviction):
@@ -24,12 +24,17 @@ class ValueEviction(CheckpointEviction):
     # loses 1/e of its worth over two means. Measured with `python -m bench.memory_pressure`
     # (shipped and chat traces, R=1, 10-100% of the working set): 1 lost to Marconi's best alpha
     # at 10% of the shipped trace (0.146 vs 0.150); 2 won every cell but chat at 100% (by 1e-4);
-    # 3 and 8 lost some (docs/DEVLOG.md has the figures).
+    # 3 and 8 lost some (docs/DEVLOG.md has the figures). The default of `value`; `value:T` sets
+    # it (1 won shipped R = 16 at 10% over 8 seeds, 0.096 vs 0.087, but lost R = 1 at 10%).
     TAU_PER_MEAN_REUSE = 2.0
 
-    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0) -> None:
+    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0,
+                 tau_per_mean_reuse: float = TAU_PER_MEAN_REUSE) -> None:
         super().__init__(page_bytes, cost)
-        self.tau = tau  # requests: a prior until reuses are seen, then 2 x their mean distance
+        if not (math.isfinite(tau_per_mean_reuse) and tau_per_mean_reuse > 0):
+            raise EvictionError(f"value tau per mean reuse distance must be positive, got {tau_per_mean_reuse}")
+        self.tau_per_mean_reuse = tau_per_mean_reuse
+        self.tau = tau  # requests: a prior until reuses are seen, then tau_per_mean_reuse x their mean distance
         self._keyed_tau = tau  # the tau heap keys were computed with
         self._entries: dict[BlockHash, StateEntry] = {}
         self._heap: list[tuple[tuple[bool, float], int, BlockHash]] = []
@@ -76,7 +81,7 @@ class ValueEviction(CheckpointEviction):
             self._reuse_sum += self.now - entry.last_use
             self._num_reuses += 1
             entry.num_reuses += 1
-            self.tau = max(self.MIN_TAU, self.TAU_PER_MEAN_REUSE * self._reuse_sum / self._num_reuses)
+            self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * self._reuse_sum / self._num_reuses)
         entry.last_use = self.now
         if not 0.5 <= self.tau / self._keyed_tau <= 2.0:  # keys drifted: re-key all (rare)
             self._rebuild()

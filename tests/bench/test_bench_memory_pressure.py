@@ -43,6 +43,16 @@ def test_table_runs_every_cell_on_both_traces_and_reports_the_checks(capsys, tmp
     assert f"checks: {sum(c['holds'] for c in report['checks'])} of 16 hold" in text
 
 
+def test_a_value_setting_gets_its_own_column(capsys):
+    """`--cells latest/value:1` runs `value:1` (tau one mean reuse distance) beside `value`, in
+    its own column, not merged into value's."""
+    assert main(["--limit", "60", "--jobs", "1", "--replicas", "1", "--shares", "0.25", "--traces", "chat",
+                 "--cells", "latest/value,latest/value:1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert sorted((r["cell"], r["eviction"]) for r in rows) == [("latest/value", "value"),
+                                                               ("latest/value:1", "value:1")]
+
+
 def test_checks_compare_the_right_cells_and_report_failures():
     rows = [row("t", 0.25, "latest", "lru", 0.10), row("t", 0.25, "latest", "marconi:2.0", 0.12),
             dict(row("t", 0.25, "latest", "marconi:0.5", 0.145), cell="latest/marconi-published"),

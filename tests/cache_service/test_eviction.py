@@ -35,7 +35,10 @@ def test_parsing_and_errors():
     assert isinstance(make_eviction("lru"), LruEviction)
     assert isinstance(make_eviction(" Value "), ValueEviction)
     assert make_eviction("marconi").alpha == 1.0 and make_eviction("marconi:2.5").alpha == 2.5
-    for bad in ("foo", "value:3", "lru:1", "marconi:x", "marconi:-1", ""):
+    assert make_eviction("value").tau_per_mean_reuse == 2.0 and make_eviction("value:1.5").tau_per_mean_reuse == 1.5
+    assert EngineConfig(eviction="value:1").eviction == "value:1"
+    for bad in ("foo", "value:x", "value:0", "value:-1", "value:inf", "value:nan", "lru:1", "marconi:x",
+                "marconi:-1", ""):
         with pytest.raises(EvictionError):
             make_eviction(bad)
     with pytest.raises(EvictionError, match="crossover"):
@@ -200,6 +203,10 @@ def test_error_messages_word_for_word():
         MarconiEviction(alpha=-1.0)
     with pytest.raises(EvictionError, match=r"^eviction 'marconi:x': expected marconi:ALPHA with a number$"):
         make_eviction("marconi:x")
+    with pytest.raises(EvictionError, match=r"^eviction 'value:x': expected value:T with a number$"):
+        make_eviction("value:x")
+    with pytest.raises(EvictionError, match=r"^value tau per mean reuse distance must be positive, got 0\.0$"):
+        make_eviction("value:0")
 
 
 @pytest.mark.parametrize("policy", [LruEviction, MarconiEviction, ValueEviction])
@@ -251,6 +258,25 @@ def test_value_tau_is_twice_the_mean_reuse_distance():
     v.now = 6
     v.used(key(1), True, 64)  # distances 4 and 2
     assert v.tau == 6.0
+
+
+@pytest.mark.parametrize("spec, tau", [("value:1", 3.0), ("value:0.5", 1.5), ("value:4", 12.0)])
+def test_value_t_scales_tau_by_t_and_so_the_order(spec, tau):
+    """`value:T`: tau = T x the mean reuse distance (here 3 requests), so T decides between an old
+    deep state and a fresh shallow one: worth gain x exp(-age / tau)."""
+    v = make_eviction(spec)
+    v.stored(key(1), 64, 0)
+    v.now = 3
+    v.used(key(1), True, 64)  # one reuse, distance 3
+    assert v.tau == tau
+    v.stored(key(2), 4096, 0)  # deep (gain 4096), used at 3
+    v.now = 13
+    v.stored(key(3), 1024, 0)  # shallow (gain 1024), fresh at 13
+    v.removed(key(1))
+    # key 2 vs key 3: log 4096 + 3 / tau  vs  log 1024 + 13 / tau: the deep one goes when
+    # 10 / tau > log 4, i.e. tau < 7.2
+    expect = key(2) if tau < 10 / math.log(4) else key(3)
+    assert v.victim(lambda k: True) == expect
 
 
 @pytest.mark.parametrize("now, keyed", [(40, 64.0), (16, 64.0), (64, 64.0), (80, 160.0), (10, 20.0)])

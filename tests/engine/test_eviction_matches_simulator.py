@@ -65,6 +65,14 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
 
 
 @pytest.mark.heavy
+def test_value_t_too(tiny_model):
+    """`engine.eviction: value:1` (tau one mean reuse distance): the engine's policy takes the
+    setting and evicts as the simulator's."""
+    num_spare, _ = run_both(tiny_model, 3, "lossless", "value:1", "dense")
+    assert num_spare > 0
+
+
+@pytest.mark.heavy
 def test_the_engine_places_what_the_simulator_places(tiny_model):
     """`value:BYTES` placement (`cache_service/placement.py`): the engine's planner learns the same
     match depths from its lookups as the simulator's and places the same states."""
@@ -91,7 +99,9 @@ def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str,
                          max_model_len=1024, cache_memory_bytes=memory, mamba_memory_fraction=0.3,
                          checkpoint_memory_fraction=3 * page / memory + 1e-9)  # 3 retained states
     cache = engine.cache
-    assert (cache.mamba.eviction.name, cache.mamba.max_retained_pages) == (eviction, 3)
+    assert (cache.mamba.eviction.name, cache.mamba.max_retained_pages) == (eviction.partition(":")[0], 3)
+    if eviction.startswith("value:"):  # the setting reached the engine's policy
+        assert cache.mamba.eviction.tau_per_mean_reuse == float(eviction.partition(":")[2])
     coord = HybridCoordinator(cache.layout, cache.coordinator.eagle, drop_rule=DropRule(engine.config.drop_rule))
     assert cache.layout.alignment == (16 if grid == "attention" else 64)
     planner = CheckpointPlanner(coord, make_retention(retention, cache.layout.alignment, state_bytes=page,
