@@ -8,13 +8,14 @@ hashing the prompt and the per-replica reconciled lookups. Target p99 <= 2 ms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from bench.random_checkpoint import CheckpointError, random_checkpoint
 from cache_service import CacheLayout, EagleMode, HybridCoordinator, RequestBlockHashes
 from cache_service.global_index import GlobalIndex
 from cache_service.router import Router, RoutingPolicy
@@ -55,22 +56,6 @@ def measure_routing(num_entries: int, num_replicas: int, prompt_len: int, repeat
     }
 
 
-def _wide_kv_model() -> str:
-    """The tiny config with 8 KV heads of 128 (random weights): ~25 KB of pages per token."""
-    import tempfile
-
-    import yaml
-
-    from workers.model.init_model import main as init_main
-
-    config = yaml.safe_load(open("configs/models/tiny-nemotron-h.yaml"))
-    config.update(num_attention_heads=8, num_key_value_heads=8, head_dim=128)
-    tmp = Path(tempfile.mkdtemp(prefix="hybridserve-widekv-"))
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-    init_main(["--config", str(tmp / "config.yaml"), "--out", str(tmp / "model")])
-    return str(tmp / "model")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__)
     p.add_argument("--entries", type=int, default=1_000_000)
@@ -85,19 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = {"routing": measure_routing(args.entries, args.replicas, args.prompt_len, args.repeats)}
     if args.transfer_tokens:
-        import tempfile
-
         from bench.transfer import measure_transfer
 
-        model_dir = args.model
-        if model_dir is None:
-            from workers.model.init_model import main as init_main
-
-            model_dir = tempfile.mkdtemp(prefix="hybridserve-tiny-")
-            init_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
-        report["transfer"] = measure_transfer(model_dir, args.transfer_tokens)
-        if args.wide_kv:
-            report["transfer_wide_kv"] = measure_transfer(_wide_kv_model(), args.transfer_tokens)
+        with contextlib.ExitStack() as stack:  # random checkpoints are removed after the run
+            try:
+                model_dir = args.model or stack.enter_context(random_checkpoint())
+                report["transfer"] = measure_transfer(model_dir, args.transfer_tokens)
+                if args.wide_kv:  # 8 KV heads of 128: ~25 KB of pages per token
+                    wide = stack.enter_context(random_checkpoint(num_attention_heads=8, num_key_value_heads=8,
+                                                                 head_dim=128))
+                    report["transfer_wide_kv"] = measure_transfer(wide, args.transfer_tokens)
+            except CheckpointError as exc:
+                p.error(str(exc))
     print(json.dumps(report, indent=2))
     return 0
 

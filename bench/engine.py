@@ -13,14 +13,16 @@ writes a random-weight tiny checkpoint first (MTP acceptance ~0 there, so no spe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
+
+from bench.random_checkpoint import CheckpointError, random_checkpoint
 
 TRAINED = "configs/models/tiny-trained"
 
@@ -128,14 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     from workers.model.loader import load_model
 
-    model_dir = args.model
-    if model_dir == "random":
-        from workers.model.init_model import main as init_main
-
-        model_dir = tempfile.mkdtemp(prefix="hybridserve-tiny-")
-        init_main(["--config", "configs/models/tiny-nemotron-h.yaml", "--out", model_dir])
-    model = load_model(model_dir)
-    report = {"model": model_dir, "torch_threads": torch.get_num_threads()}
+    with contextlib.ExitStack() as stack:  # a random checkpoint is removed once loaded
+        try:
+            model = load_model(stack.enter_context(random_checkpoint()) if args.model == "random" else args.model)
+        except CheckpointError as exc:
+            p.error(str(exc))
+    report = {"model": args.model, "torch_threads": torch.get_num_threads()}
     if args.concurrency:
         from bench.concurrency import measure_concurrency
 

@@ -19,17 +19,18 @@ The report goes to `--out` (default out/host_overhead.json) and stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from bench.host_counters import HostCounter
+from bench.random_checkpoint import CheckpointError, random_checkpoint
 
 DEFAULT_CONFIG = "configs/models/tiny-nemotron-h.yaml"
 PROMPT_LEN = 32
@@ -174,14 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from workers.model.loader import load_model
 
-    model_dir = args.model
-    if model_dir is None:
-        from workers.model.init_model import main as init_main
-
-        model_dir = tempfile.mkdtemp(prefix="hybridserve-host-")
-        if init_main(["--config", args.config, "--out", model_dir, "--seed", "0"]) != 0:
-            p.error(f"could not write a checkpoint from {args.config}")
-    model = load_model(model_dir, kernels="torch")
+    with contextlib.ExitStack() as stack:  # a random checkpoint is removed once loaded
+        try:
+            model = load_model(args.model or stack.enter_context(random_checkpoint(args.config)), kernels="torch")
+        except CheckpointError as exc:
+            p.error(str(exc))
     report = {"model": args.model or args.config, "torch_threads": args.threads, "prompt_len": PROMPT_LEN,
               "points": [row for graphs in {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
                          for row in measure(model, args.concurrency, args.spec_tokens, args.steps, args.runs, graphs)]}

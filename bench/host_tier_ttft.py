@@ -30,11 +30,11 @@ import contextlib
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
+from bench.random_checkpoint import CheckpointError, random_checkpoint
 from bench.reports import default_report, write_report
 
 DEFAULT_CONFIG = "configs/models/tiny-nemotron-h.yaml"
@@ -214,13 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prompt-len must be >= 65 (a hit needs a 64-token Mamba page), --repeats and --threads >= 1, "
                 "--spec-tokens >= 0")
     with contextlib.ExitStack() as stack:
-        model_dir = args.model
-        if model_dir is None:  # a random checkpoint, removed after the run
-            from workers.model.init_model import main as init_main
-
-            model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridserve-host-ttft-"))
-            if init_main(["--config", args.config, "--out", model_dir, "--seed", "0"]) != 0:
-                p.error(f"could not write a checkpoint from {args.config}")
+        try:
+            model_dir = args.model or stack.enter_context(random_checkpoint(args.config))
+        except CheckpointError as exc:
+            p.error(str(exc))
         report = {"model": args.model or args.config, **_measure_at(model_dir, args)}
     print(f"report: {write_report(args.out, report)}")
     print(table(report))
