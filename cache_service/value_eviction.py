@@ -32,7 +32,8 @@ class ValueEviction(CheckpointEviction):
                  tau_per_mean_reuse: float = TAU_PER_MEAN_REUSE) -> None:
         super().__init__(page_bytes, cost)
         if not (math.isfinite(tau_per_mean_reuse) and tau_per_mean_reuse > 0):
-            raise EvictionError(f"value tau per mean reuse distance must be positive, got {tau_per_mean_reuse}")
+            raise EvictionError(f"value tau per mean reuse distance must be positive and finite, "
+                                f"got {tau_per_mean_reuse}")
         self.tau_per_mean_reuse = tau_per_mean_reuse
         self.tau = tau  # requests: a prior until reuses are seen, then tau_per_mean_reuse x their mean distance
         self._keyed_tau = tau  # the tau heap keys were computed with

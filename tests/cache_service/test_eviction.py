@@ -205,7 +205,8 @@ def test_error_messages_word_for_word():
         make_eviction("marconi:x")
     with pytest.raises(EvictionError, match=r"^eviction 'value:x': expected value:T with a number$"):
         make_eviction("value:x")
-    with pytest.raises(EvictionError, match=r"^value tau per mean reuse distance must be positive, got 0\.0$"):
+    with pytest.raises(EvictionError,
+                       match=r"^value tau per mean reuse distance must be positive and finite, got 0\.0$"):
         make_eviction("value:0")
 
 
