@@ -224,3 +224,19 @@ def test_seed_drives_the_routers_tie_breaks(policy):
     runs = {seed: placements(seed) for seed in range(4)}
     assert placements(2) == runs[2]
     assert len({tuple(p) for p in runs.values()}) == 4
+
+
+
+def test_the_oracle_pools_the_host_tier_of_every_replica_too():
+    """The oracle's one cache gets R x the per-replica device budget and R x the host tier
+    (`bench.routing_pressure --host-share` compares against it); a routed replica gets one share."""
+    def pools(policy: str) -> tuple[list[int], list[int]]:
+        cost = CostModel("test", 1000.0, 0.0, 0.01, transfer_bytes_per_s=1e12, host_to_device_bytes_per_s=1e11)
+        sim = ClusterSim(SimSettings(LAYOUT, cost, 4, policy, 10**7, mamba_fraction=0.5, host_bytes=10**7))
+        return list(sim.num_blocks_per_group), list(sim.num_host_pages_per_group)
+
+    (device, host), (oracle_device, oracle_host) = pools("hybrid"), pools("oracle")
+    assert (device, host) == (list(LAYOUT.pool_blocks(10**7, 0.5)), list(LAYOUT.host_pages(10**7, 0.5)))
+    assert oracle_device == list(LAYOUT.pool_blocks(4 * 10**7, 0.5))
+    assert oracle_host == list(LAYOUT.host_pages(4 * 10**7, 0.5))
+    assert min(host) > 0 and all(o > h for o, h in zip(oracle_host, host))
