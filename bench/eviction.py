@@ -6,12 +6,13 @@
                states (value keeps a heap: O(log n); the ratio 1M / 10k shows it); `marconi` is
                O(n) as published (its normalization reads every candidate), timed at 10k and 100k.
                Mean, median, p99 and max per decision: value's mean includes its rare O(n)
-               re-keyings (tau doubled or halved), its median the heap alone.
+               re-keyings (tau doubled or halved), its median the heap alone. `value:auto` also
+               remembers each victim as a ghost and regrets it at the next request (its T moves).
     simulator  `hybridserve simulate` on the shipped trace (R=1, 96 GiB, dense retention: the most
                evictions) with each policy: simulated requests per CPU second, and value's as a
                ratio of lru's (target >= 0.8); and value with placement by expected value
                (value:3e8, a dynamic program per request) as a ratio of lru on `latest` (the
-               positions placement adds to).
+               positions placement adds to); value:auto's rate as a ratio of lru's.
 
 Prints a table and writes JSON (--out). Timings are ratios within one run; the machine is shared.
 """
@@ -59,7 +60,9 @@ def decision_cost(policy_name: str, num_states: int, num_decisions: int, seed: i
             start = clock()
             policy.tick()
             victim = policy.victim(free)
+            policy.evicted(victim)
             policy.removed(victim)
+            policy.missed((victim, key(next_key - 1)), 0)  # the next request passes it (value:auto regrets)
             j = index.pop(victim)
             new = key(next_key)
             next_key += 1
@@ -104,29 +107,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = [decision_cost(name, n, args.decisions) for name in ("lru", "value") for n in sizes]
+    rows = [decision_cost(name, n, args.decisions) for name in ("lru", "value", "value:auto") for n in sizes]
     rows += [decision_cost("marconi", int(n), args.marconi_decisions) for n in args.marconi_sizes.split(",")]
     out: dict = {"decisions": rows}
-    for name in ("lru", "value", "marconi"):
+    for name in ("lru", "value", "value:auto", "marconi"):
         mine = [r for r in rows if r["policy"] == name]
         if len(mine) > 1:
             out[f"{name}_growth"] = mine[-1]["us_per_decision"] / mine[0]["us_per_decision"]
             out[f"{name}_median_growth"] = mine[-1]["us_median"] / mine[0]["us_median"]
-    print(f"{'policy':8} {'states':>9} {'us mean':>10} {'median':>8} {'p99':>8} {'max':>10}", file=sys.stderr)
+    print(f"{'policy':10} {'states':>9} {'us mean':>10} {'median':>8} {'p99':>8} {'max':>10}", file=sys.stderr)
     for r in rows:
-        print(f"{r['policy']:8} {r['num_states']:>9} {r['us_per_decision']:>10.2f} {r['us_median']:>8.2f} "
+        print(f"{r['policy']:10} {r['num_states']:>9} {r['us_per_decision']:>10.2f} {r['us_median']:>8.2f} "
               f"{r['us_p99']:>8.2f} {r['us_max']:>10.0f}", file=sys.stderr)
     if args.sim_requests:
         sims = [simulator_rate(name, args.sim_requests) for name in ("lru", "value")]
         sims += [simulator_rate("lru", args.sim_requests, "latest"),
-                 simulator_rate("value", args.sim_requests, "value:3e8")]
+                 simulator_rate("value", args.sim_requests, "value:3e8"),
+                 simulator_rate("value:auto", args.sim_requests)]
         out["simulator"] = sims
         out["simulator_value_over_lru"] = sims[1]["requests_per_cpu_s"] / sims[0]["requests_per_cpu_s"]
         out["simulator_placed_over_lru"] = sims[3]["requests_per_cpu_s"] / sims[2]["requests_per_cpu_s"]
+        out["simulator_auto_over_lru"] = sims[4]["requests_per_cpu_s"] / sims[0]["requests_per_cpu_s"]
         print(f"simulator: value {sims[1]['requests_per_cpu_s']:.0f} req/cpu-s, lru "
               f"{sims[0]['requests_per_cpu_s']:.0f}: ratio {out['simulator_value_over_lru']:.2f}; value with "
               f"placement (value:3e8) {sims[3]['requests_per_cpu_s']:.0f}, lru on latest "
-              f"{sims[2]['requests_per_cpu_s']:.0f}: ratio {out['simulator_placed_over_lru']:.2f}", file=sys.stderr)
+              f"{sims[2]['requests_per_cpu_s']:.0f}: ratio {out['simulator_placed_over_lru']:.2f}; value:auto "
+              f"{sims[4]['requests_per_cpu_s']:.0f}: ratio {out['simulator_auto_over_lru']:.2f}", file=sys.stderr)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -68,6 +68,7 @@ def trace_path(name: str, folder: Path) -> Path:
     raise ValueError(f"unknown trace {name!r}; expected shipped, {', '.join(GENERATED)}")
 
 
+AUTO = "value:auto"  # value with T and its admission learned per pool (`cache_service/adaptive_value.py`)
 MARCONI_COLUMNS = ("marconi", "marconi-published")  # best alpha in hindsight; as its code tunes it
 
 
@@ -125,25 +126,31 @@ def spread(runs: dict[str, list[float]]) -> float:
 
 
 def checks(rows: list[dict]) -> list[dict]:
-    """One entry per comparison the issue sets, with the two hit rates and whether it holds."""
+    """One entry per comparison the issue sets, with the two hit rates and whether it holds; for
+    `latest/value`, and for `latest/value:auto` when it was run (its own checks, named so)."""
     out = []
     for (trace, replicas, share), hits in sorted(hit_rates(rows).items()):
         where = {"trace": trace, "replicas": replicas, "share": share}
         value = hits.get("latest/value")
+        for name, ours in (("value", value), (AUTO, hits.get(f"latest/{AUTO}"))):
+            if ours is None:
+                continue
+            for column in MARCONI_COLUMNS:
+                marconi = hits.get(f"latest/{column}")
+                if marconi is not None:
+                    out.append(dict(where, check=f"{name} >= {column}", left=ours, right=marconi,
+                                    holds=ours >= marconi))
+            if share == 0.25 and "latest/lru" in hits:
+                out.append(dict(where, check=f"{name} >= 1.5 x lru", left=ours, right=1.5 * hits["latest/lru"],
+                                holds=ours >= 1.5 * hits["latest/lru"]))
         if value is None:
             continue
-        for column in MARCONI_COLUMNS:
+        placed = hits.get(f"{PLACED}/value")
+        for column in MARCONI_COLUMNS:  # ours with placement too (Marconi's admission is latest's positions)
             marconi = hits.get(f"latest/{column}")
-            if marconi is None:
-                continue
-            out.append(dict(where, check=f"value >= {column}", left=value, right=marconi, holds=value >= marconi))
-            placed = hits.get(f"{PLACED}/value")
-            if placed is not None:  # ours with placement too (Marconi's admission is latest's positions)
+            if placed is not None and marconi is not None:
                 out.append(dict(where, check=f"{PLACED}/value >= {column}", left=placed, right=marconi,
                                 holds=placed >= marconi))
-        if share == 0.25 and "latest/lru" in hits:
-            out.append(dict(where, check="value >= 1.5 x lru", left=value, right=1.5 * hits["latest/lru"],
-                            holds=value >= 1.5 * hits["latest/lru"]))
         for grid in ("dense/value", "512/value", f"{PLACED}/value"):
             if grid in hits:
                 out.append(dict(where, check=f"{grid} >= latest/value", left=hits[grid], right=value,
@@ -158,6 +165,9 @@ def markdown(rows: list[dict], found: list[dict]) -> str:
     runs = seed_runs(rows)
     seeded = any(len(v) > 1 for cells in runs.values() for v in cells.values())
     extra, rule = (" spread |", " --- |") if seeded else ("", "")
+    auto = f"latest/{AUTO}" in present
+    if auto:
+        extra, rule = " auto / marconi | auto / published |" + extra, " --- | --- |" + rule
     lines = ["| trace | R | share | " + " | ".join(names) + " | value / marconi | value / published | value / lru |"
              + extra,
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |" + rule]
@@ -168,6 +178,8 @@ def markdown(rows: list[dict], found: list[dict]) -> str:
         lines.append(f"| {trace} | {replicas} | {share:g} | "
                      + " | ".join(f"{hits[n]:.4f}" if n in hits else "-" for n in names)
                      + f" | {ratio(v, m)} | {ratio(v, mp)} | {ratio(v, lru)} |"
+                     + (f" {ratio(hits.get(f'latest/{AUTO}'), m)} | {ratio(hits.get(f'latest/{AUTO}'), mp)} |"
+                        if auto else "")
                      + (f" {spread(runs[(trace, replicas, share)]):.4f} |" if seeded else ""))
     failed = [c for c in found if not c["holds"]]
     lines.append("")

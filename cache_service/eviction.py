@@ -49,6 +49,7 @@ from cache_service.eviction_policy import (
     StateEntry,
     learn_position,
 )
+from cache_service.adaptive_value import AdaptiveValueEviction
 from cache_service.value_eviction import ValueEviction
 
 EVICTION_NAMES = ("lru", "marconi", "value")
@@ -170,6 +171,8 @@ def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = N
     if name == "lru" and not arg:
         return LruEviction(page_bytes, cost)
     if name == "value":
+        if arg == "auto":
+            return AdaptiveValueEviction(page_bytes, cost)
         try:
             tau_per_mean_reuse = float(arg) if arg else ValueEviction.TAU_PER_MEAN_REUSE
         except ValueError:

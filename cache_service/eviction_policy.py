@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
@@ -67,6 +67,16 @@ class CheckpointEviction(ABC):
     @abstractmethod
     def victim(self, evictable: Evictable) -> BlockHash | None:
         """The state to evict now among those `evictable` says are free; None if none is."""
+
+    def evicted(self, key: BlockHash) -> None:
+        """`key`, which this policy named, is about to be evicted (before `removed`)."""
+
+    def refused(self, key: BlockHash) -> None:
+        """A snapshot under `key` was not taken: `admits` said it was worth less than the victim."""
+
+    def missed(self, prefix: Sequence[BlockHash], hit_blocks: int) -> None:
+        """A request was admitted with a hit of `hit_blocks` blocks of its prompt's block hashes
+        `prefix` (a policy that learns from the states it regrets evicting looks past the hit)."""
 
     def position_of(self, key: BlockHash) -> int:
         """The position of a tracked state (0: unknown; the host tier ranks a demoted state by it)."""

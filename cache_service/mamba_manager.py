@@ -75,6 +75,7 @@ class MambaManager:
 
     def restore(self, request_id: str, hashes: RequestBlockHashes, hit_tokens: int) -> None:
         self.eviction.tick()
+        self.eviction.missed(hashes.hashes, hit_tokens // hashes.hash_block_size)
         if self.pool.host is not None:
             self.pool.host.tick()
         (src,) = self.copy_sources(hashes, hit_tokens) or (None,)
@@ -155,6 +156,8 @@ class MambaManager:
             if victim is not None and parent and victim == hashes.prefix_hash(parent):
                 parent = self._retained_below(hashes, parent)  # the parent itself would go
             if victim is None or not self.eviction.admits(position, parent, victim, periodic):
+                if victim is not None:
+                    self.eviction.refused(key)
                 self.num_snapshots_skipped += 1
                 return False
             self._evict(self.pool.cached[victim])
@@ -208,6 +211,7 @@ class MambaManager:
 
     def _evict(self, block: CacheBlock) -> None:
         key = block.block_hash
+        self.eviction.evicted(key)
         self.pool.evict(key)  # demoted to the host tier, when there is one and it takes it
         self.eviction.removed(key)
         self._left_device(key)

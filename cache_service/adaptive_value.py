@@ -1,0 +1,129 @@
+"""`value:auto`: the value policy with its recency scale T (tau per mean reuse distance) tuned
+online per pool, from the states it regrets evicting.
+
+`value`'s one constant trades recency against gain: a small T keeps what was used lately (chat,
+where a turn's state is superseded by the next turn's), a large T keeps long, proven prefixes for
+long (the shipped trace). Which is right depends on the trace and on the pool's share of it, so
+here each pool learns it, as ARC and LeCaR learn between recency and frequency:
+
+- an evicted state is remembered as a ghost (metadata only, as many ghosts as retained states):
+  its age at eviction, and the mean age of the states retained then;
+- when a later request's prompt passes a ghost deeper than the hit it got (`missed`), that
+  eviction is regretted: a victim older than the pool's mean went for being old, so T grows
+  (recency should have counted less); a younger one went for its small gain, so T shrinks;
+- T moves by a factor `STEP` per regret, within [`MIN_T`, `MAX_T`], starting at `value`'s 2.
+
+Each regret costs O(1); the manager finds it with one dict probe per block of the prompt above
+the hit; tau's re-keying is `value`'s (O(n) when tau has doubled or halved since the last).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache_service.block_hash import BlockHash
+from cache_service.eviction_policy import RecomputeCost, StateEntry
+from cache_service.value_eviction import ValueEviction
+
+
+@dataclass(frozen=True)
+class Ghost:
+    age: int  # requests since its last use, when it was evicted
+    mean_age: float  # the retained states' mean age then
+    cause: str  # "evicted", "admitted" (evicted for a snapshot `admits` let in), "refused"
+
+
+class AdaptiveValueEviction(ValueEviction):
+    name = "value"
+    # T moves by STEP per regretted eviction; the admission bias by DELTA (log worth) per regretted
+    # refusal or admission. `python -m bench.memory_pressure --traces shipped,chat,agent` over
+    # STEP 1.05 / 1.1 / 1.2, DELTA 0.1 / 0.25 / 0.5 and a start at T = 1 or 2 (docs/DEVLOG.md):
+    # every setting beat Marconi as published in 21-22 of 23 cells (value: 20); the R = 16 cells
+    # move within their seed spread between settings. T starts at value's 2.
+    STEP = 1.1
+    DELTA = 0.25
+    MIN_T, MAX_T = 0.25, 64.0
+    START_T = ValueEviction.TAU_PER_MEAN_REUSE
+    PRIOR_MEAN_REUSE = 32.0  # requests, until a reuse is seen: value's prior tau of 64 at T = 2
+
+    def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None) -> None:
+        super().__init__(page_bytes, cost, self.START_T * self.PRIOR_MEAN_REUSE, self.START_T)
+        self.ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
+        self._last_use_sum = 0
+        self.num_regrets = 0
+        self.bias = 0.0  # log worth a new snapshot is given against the victim in `admits`
+        self._admitting: BlockHash | None = None
+
+    # the retained states' last uses, summed: their mean age in O(1)
+    def stored(self, key, position, parent, periodic=False) -> None:
+        old = self._entries.get(key)
+        if old is not None:
+            self._last_use_sum -= old.last_use
+        self.ghosts.pop(key, None)
+        super().stored(key, position, parent, periodic)
+        self._last_use_sum += self.now
+
+    def used(self, key, restored, position) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._last_use_sum += self.now - entry.last_use
+        super().used(key, restored, position)
+
+    def removed(self, key) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._last_use_sum -= entry.last_use
+        super().removed(key)
+
+    def evicted(self, key: BlockHash) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        self._remember(key, self.now - entry.last_use, "admitted" if key == self._admitting else "evicted")
+        self._admitting = None
+
+    def admits(self, position, parent, victim, periodic=False) -> bool:
+        new = StateEntry(position, self.gain(position, parent), 0, self.now, periodic)
+        boundary, worth = self._priority(new)
+        ok = (boundary, worth + self.bias) > self._priority(self._entries[victim])
+        self._admitting = victim if ok else None
+        return ok
+
+    def refused(self, key: BlockHash) -> None:
+        if self._entries:
+            self._remember(key, 0, "refused")
+
+    def _remember(self, key: BlockHash, age: int, cause: str) -> None:
+        mean_age = self.now - self._last_use_sum / len(self._entries)
+        self.ghosts[key] = Ghost(age, mean_age, cause)
+        self.ghosts.move_to_end(key)
+        while len(self.ghosts) > max(16, len(self._entries)):
+            self.ghosts.popitem(last=False)
+
+    def missed(self, prefix: Sequence[BlockHash], hit_blocks: int) -> None:
+        if not self.ghosts:
+            return
+        ghosts = self.ghosts
+        for i in range(len(prefix) - 1, hit_blocks - 1, -1):  # the deepest ghost past the hit
+            ghost = ghosts.pop(prefix[i], None)
+            if ghost is not None:
+                self.num_regrets += 1
+                if ghost.cause == "refused":
+                    self.bias += self.DELTA
+                    return
+                if ghost.cause == "admitted":
+                    self.bias = max(0.0, self.bias - self.DELTA)
+                step = self.STEP if ghost.age > ghost.mean_age else 1 / self.STEP
+                self.tau_per_mean_reuse = min(self.MAX_T, max(self.MIN_T, self.tau_per_mean_reuse * step))
+                mean = self._reuse_sum / self._num_reuses if self._num_reuses else self.PRIOR_MEAN_REUSE
+                self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * mean)
+                if not 0.5 <= self.tau / self._keyed_tau <= 2.0:
+                    self._rebuild()
+                return
+
+    @property
+    def log_t(self) -> float:
+        return math.log(self.tau_per_mean_reuse)
