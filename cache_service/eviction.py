@@ -41,6 +41,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from cache_service.adaptive_value import AdaptiveValueEviction
 from cache_service.block_hash import BlockHash
 from cache_service.eviction_policy import (
     CheckpointEviction,
@@ -49,7 +50,6 @@ from cache_service.eviction_policy import (
     StateEntry,
     learn_position,
 )
-from cache_service.adaptive_value import AdaptiveValueEviction
 from cache_service.value_eviction import ValueEviction
 
 EVICTION_NAMES = ("lru", "marconi", "value")

@@ -69,14 +69,18 @@ class CheckpointEviction(ABC):
         """The state to evict now among those `evictable` says are free; None if none is."""
 
     def evicted(self, key: BlockHash) -> None:
-        """`key`, which this policy named, is about to be evicted (before `removed`)."""
+        """`key`, which this policy named, is about to be evicted (before `removed`). An optional
+        hook, as are `refused` and `missed`: only a policy that learns from its regrets uses them."""
+        return None
 
     def refused(self, key: BlockHash) -> None:
         """A snapshot under `key` was not taken: `admits` said it was worth less than the victim."""
+        return None
 
     def missed(self, prefix: Sequence[BlockHash], hit_blocks: int) -> None:
         """A request was admitted with a hit of `hit_blocks` blocks of its prompt's block hashes
         `prefix` (a policy that learns from the states it regrets evicting looks past the hit)."""
+        return None
 
     def position_of(self, key: BlockHash) -> int:
         """The position of a tracked state (0: unknown; the host tier ranks a demoted state by it)."""
