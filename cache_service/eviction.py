@@ -17,7 +17,8 @@ One policy object per Mamba pool, held by `MambaManager`: the engine's pools and
               prompt's is worth the tokens past it; a request's own grid, never reused yet,
               is worth its whole prefix, so its deepest state outranks the rest); t counts admitted requests,
               never snapshots; tau is twice the mean reuse distance seen so far, in requests (at least 1;
-              `value:T` takes T times it instead of twice). Since
+              `value:T` takes T times it instead of twice; `value:auto` learns T and how readily it
+              admits per pool from the evictions and refusals it regrets: `adaptive_value.py`). Since
                   log v = log(gain * (1 + reuses) / bytes) + t_used / tau  -  t / tau
               and the last term is common to every state, the order only changes on use: a heap,
               Grid states (retention's periodic positions) go before any boundary state (replay,
@@ -52,7 +53,7 @@ from cache_service.eviction_policy import (
 )
 from cache_service.value_eviction import ValueEviction
 
-EVICTION_NAMES = ("lru", "marconi", "value")
+EVICTION_NAMES = ("lru", "marconi", "value", "value:auto")  # `simulate --eviction all`
 
 
 class LruEviction(CheckpointEviction):
@@ -144,7 +145,7 @@ class MarconiEviction(CheckpointEviction):
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T`) and the model's attention
+    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T`, `value:auto`) and the model's attention
     crossover (see the module doc); `build` makes one policy object per Mamba pool."""
 
     policy: str = "value"
@@ -166,7 +167,8 @@ class EvictionConfig:
 
 
 def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = None) -> CheckpointEviction:
-    """`lru`, `marconi`, `marconi:ALPHA`, `value` or `value:T` (T: tau per mean reuse distance)."""
+    """`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T` (T: tau per mean reuse distance) or
+    `value:auto` (T and admission learned per pool: `adaptive_value.py`)."""
     name, _, arg = str(spec).strip().lower().partition(":")
     if name == "lru" and not arg:
         return LruEviction(page_bytes, cost)
@@ -176,7 +178,7 @@ def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = N
         try:
             tau_per_mean_reuse = float(arg) if arg else ValueEviction.TAU_PER_MEAN_REUSE
         except ValueError:
-            raise EvictionError(f"eviction {spec!r}: expected value:T with a number") from None
+            raise EvictionError(f"eviction {spec!r}: expected value:T with a number, or value:auto") from None
         return ValueEviction(page_bytes, cost, tau_per_mean_reuse=tau_per_mean_reuse)
     if name == "marconi":
         try:
@@ -184,4 +186,4 @@ def make_eviction(spec: str, page_bytes: int = 1, cost: RecomputeCost | None = N
         except ValueError:
             raise EvictionError(f"eviction {spec!r}: expected marconi:ALPHA with a number") from None
         return MarconiEviction(page_bytes, cost, alpha)
-    raise EvictionError(f"unknown eviction policy {spec!r}; expected one of lru, marconi[:ALPHA], value[:T]")
+    raise EvictionError(f"unknown eviction policy {spec!r}; expected one of lru, marconi[:ALPHA], value[:T|auto]")

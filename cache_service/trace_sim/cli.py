@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="hybrid", help=f"one of {', '.join(POLICY_NAMES)}, or 'all'")
     p.add_argument("--retention", default="latest", help="latest, dense, a token interval, or value:BYTES")
     p.add_argument("--eviction", default="value",
-                   help="which retained Mamba state goes under pressure: value[:T], lru, marconi[:ALPHA] "
-                        "(value:T: tau T x the mean reuse distance, default 2) "
+                   help="which retained Mamba state goes under pressure: value[:T|auto], lru, marconi[:ALPHA] "
+                        "(value:T: tau T x the mean reuse distance, default 2; value:auto: T and admission "
+                        "learned per replica from regretted evictions) "
                         "(marconi alone: ALPHA 0, then tuned on a bootstrap window as Marconi's code does: "
                         "cache_service/trace_sim/tuning.py), or 'all'")
     p.add_argument("--eagle", default="off", choices=("off", "drop", "lossless"))

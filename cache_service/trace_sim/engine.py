@@ -54,7 +54,7 @@ class SimSettings:
     policy: str
     budget_bytes: int  # cache memory per replica (KV + Mamba state)
     retention: str = "latest"  # latest, dense, an interval, or value:BYTES (cache_service/placement.py)
-    eviction: str = "value"  # of retained Mamba states: value[:T] | lru | marconi[:ALPHA] (eviction.py)
+    eviction: str = "value"  # of retained Mamba states: value[:T|auto] | lru | marconi[:ALPHA] (eviction.py)
     eagle: str = "off"
     mamba_fraction: float = 0.25  # share of the budget for state pages (when the layout has any)
     host_bytes: int = 0  # host-tier memory per replica, split as budget_bytes is (0: no host tier)

@@ -13,6 +13,8 @@ turnover, load balance.
                         token latencies over every token of every request; output_tokens_per_s:
                         output tokens over the span from the first arrival to the last token;
                         handoff_bytes: what the hand-offs moved (split)
+    value_auto          (`--eviction value:auto` only) the T and admission bias the pools learned
+                        (min / median / max) and the evictions and refusals they regretted
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+from cache_service.adaptive_value import AdaptiveValueEviction
 from cache_service.trace_sim.engine import ClusterSim, RequestRecord
 from cache_service.trace_sim.stepped_engine import SteppedClusterSim, SteppedRecord
 
@@ -90,7 +93,23 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
         "wall_s": wall_s,
         "simulated_requests_per_s": len(records) / wall_s if wall_s > 0 else 0.0,
         **(stepped_summary(sim, records) if isinstance(sim, SteppedClusterSim) else {}),
+        **learned_summary([m.eviction for m in mambas]),
     }
+
+
+def learned_summary(policies: Sequence) -> dict:
+    """`value:auto`: what each pool learned (T, the admission bias: min / median / max over pools)
+    and how many evictions and refusals it regretted; nothing for the other policies."""
+    learned = [p for p in policies if isinstance(p, AdaptiveValueEviction)]
+    if not learned:
+        return {}
+
+    def spread(values: list[float]) -> dict:
+        return {"min": min(values), "median": percentile(values, 50), "max": max(values)}
+
+    return {"value_auto": {"t": spread([p.tau_per_mean_reuse for p in learned]),
+                           "bias": spread([p.bias for p in learned]),
+                           "num_regrets": sum(p.num_regrets for p in learned)}}
 
 
 def stepped_summary(sim: SteppedClusterSim, records: Sequence[SteppedRecord]) -> dict:

@@ -203,7 +203,7 @@ def test_error_messages_word_for_word():
         MarconiEviction(alpha=-1.0)
     with pytest.raises(EvictionError, match=r"^eviction 'marconi:x': expected marconi:ALPHA with a number$"):
         make_eviction("marconi:x")
-    with pytest.raises(EvictionError, match=r"^eviction 'value:x': expected value:T with a number$"):
+    with pytest.raises(EvictionError, match=r"^eviction 'value:x': expected value:T with a number, or value:auto$"):
         make_eviction("value:x")
     with pytest.raises(EvictionError,
                        match=r"^value tau per mean reuse distance must be positive and finite, got 0\.0$"):

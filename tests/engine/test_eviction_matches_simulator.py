@@ -60,7 +60,7 @@ def trim(prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("eviction", ["value", "lru"])
 @pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop"), (3, "lossless")])
 def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, eviction):
-    num_spare, _ = run_both(tiny_model, k, eagle, eviction, "dense")
+    num_spare, _, _ = run_both(tiny_model, k, eagle, eviction, "dense")
     assert (num_spare > 0) == (eviction != "lru")
 
 
@@ -68,8 +68,19 @@ def test_the_engine_evicts_what_the_simulator_evicts(tiny_model, k, eagle, evict
 def test_value_t_too(tiny_model):
     """`engine.eviction: value:1` (tau one mean reuse distance): the engine's policy takes the
     setting and evicts as the simulator's."""
-    num_spare, _ = run_both(tiny_model, 3, "lossless", "value:1", "dense")
+    num_spare, _, _ = run_both(tiny_model, 3, "lossless", "value:1", "dense")
     assert num_spare > 0
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop")])
+def test_value_auto_learns_what_the_simulator_learns(tiny_model, k, eagle):
+    """`engine.eviction: value:auto`: the engine's pool regrets the same evictions and refusals as
+    the simulator's, so its T and admission bias move alike (compared after every request) and it
+    evicts the same states. Fails if either side does not report evictions, refusals or a
+    request's prompt to the policy (`evicted`, `refused`, `missed`)."""
+    _, _, num_regrets = run_both(tiny_model, k, eagle, "value:auto", "dense")
+    assert num_regrets >= 2
 
 
 @pytest.mark.heavy
@@ -77,21 +88,22 @@ def test_the_engine_places_what_the_simulator_places(tiny_model):
     """`value:BYTES` placement (`cache_service/placement.py`): the engine's planner learns the same
     match depths from its lookups as the simulator's and places the same states."""
     page = tiny_model.state_bytes_per_slot()
-    _, num_placed = run_both(tiny_model, 3, "drop", "value", f"value:{2 * page}")
+    _, num_placed, _ = run_both(tiny_model, 3, "drop", "value", f"value:{2 * page}")
     assert num_placed >= 2
 
 
 @pytest.mark.heavy
 def test_on_the_attention_grid_too(tiny_model):
     """`engine.checkpoint_grid: attention`: states on the 16-token grid, one at least every 64."""
-    _, num_placed = run_both(tiny_model, 3, "lossless", "value", "latest", grid="attention")
+    _, num_placed, _ = run_both(tiny_model, 3, "lossless", "value", "latest", grid="attention")
     assert num_placed >= 10  # the spacing bound's grid states
 
 
 def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str,
-             grid: str = "mamba") -> tuple[int, int]:
+             grid: str = "mamba") -> tuple[int, int, int]:
     """Serve `history(3)` on the engine and on a simulated replica, comparing after every request;
-    returns the spare KV blocks seen and the grid positions planned, summed over requests."""
+    returns the spare KV blocks seen and the grid positions planned, summed over requests, and the
+    evictions and refusals `value:auto` regretted (0 for the other policies)."""
     page = tiny_model.state_bytes_per_slot()
     memory = 24 * 2**20
     engine = make_engine(tiny_model, num_spec_tokens=k, eagle_mode=eagle, eviction=eviction, retention=retention,
@@ -100,7 +112,7 @@ def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str,
                          checkpoint_memory_fraction=3 * page / memory + 1e-9)  # 3 retained states
     cache = engine.cache
     assert (cache.mamba.eviction.name, cache.mamba.max_retained_pages) == (eviction.partition(":")[0], 3)
-    if eviction.startswith("value:"):  # the setting reached the engine's policy
+    if eviction.startswith("value:") and eviction != "value:auto":  # the setting reached the engine's policy
         assert cache.mamba.eviction.tau_per_mean_reuse == float(eviction.partition(":")[2])
     coord = HybridCoordinator(cache.layout, cache.coordinator.eagle, drop_rule=DropRule(engine.config.drop_rule))
     assert cache.layout.alignment == (16 if grid == "attention" else 64)
@@ -136,6 +148,9 @@ def run_both(tiny_model, k: int, eagle: str, eviction: str, retention: str,
         assert (cache.mamba.num_evictions, cache.mamba.num_snapshots_skipped) == (
             sim_mamba.num_evictions, sim_mamba.num_snapshots_skipped), i
         assert cache.mamba.eviction.now == sim_mamba.eviction.now == i + 1
+        learned = ("tau_per_mean_reuse", "bias", "num_regrets")  # value:auto's
+        assert [getattr(cache.mamba.eviction, a, None) for a in learned] == [
+            getattr(sim_mamba.eviction, a, None) for a in learned], i
         assert getattr(cache.planner.policy, "stats", None) == getattr(planner.policy, "stats", None), i
     assert num_hits >= 3 and sim_mamba.num_evictions + sim_mamba.num_snapshots_skipped >= 10
-    return num_spare, num_placed
+    return num_spare, num_placed, getattr(sim_mamba.eviction, "num_regrets", 0)

@@ -240,3 +240,20 @@ def test_the_oracle_pools_the_host_tier_of_every_replica_too():
     assert oracle_device == list(LAYOUT.pool_blocks(4 * 10**7, 0.5))
     assert oracle_host == list(LAYOUT.host_pages(4 * 10**7, 0.5))
     assert min(host) > 0 and all(o > h for o, h in zip(oracle_host, host))
+
+
+def test_value_auto_reports_what_its_pools_learned(tmp_path):
+    """`simulate --eviction all` runs `value:auto` beside the others; its summary says what T and
+    admission bias the pools learned and how many evictions they regretted (under pressure: some);
+    the other policies' summaries carry no such field."""
+    out = tmp_path / "s.json"
+    rc = main(["--trace", str(DEFAULT_TRACE), "--limit", "400", "--replicas", "1", "--memory-share", "0.1",
+               "--time-scale", "0.0625", "--eviction", "all", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    runs = json.loads(out.read_text())["policies"]
+    assert set(runs) == {"hybrid/lru", "hybrid/marconi", "hybrid/value", "hybrid/value:auto"}
+    learned = runs["hybrid/value:auto"]["value_auto"]
+    assert learned["num_regrets"] > 0
+    assert 0.25 <= learned["t"]["min"] <= learned["t"]["median"] <= learned["t"]["max"] <= 64
+    assert learned["t"]["min"] != 2.0 or learned["bias"]["max"] > 0  # something moved
+    assert all("value_auto" not in s for name, s in runs.items() if name != "hybrid/value:auto")
