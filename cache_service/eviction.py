@@ -145,8 +145,8 @@ class MarconiEviction(CheckpointEviction):
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T`, `value:auto`) and the model's attention
-    crossover (see the module doc); `build` makes one policy object per Mamba pool."""
+    """The policy by name (`lru`, `marconi`, `marconi:ALPHA`, `value`, `value:T`, `value:auto`) and the
+    model's attention crossover (see the module doc); `build` makes one policy object per Mamba pool."""
 
     policy: str = "value"
     crossover_tokens: float = math.inf

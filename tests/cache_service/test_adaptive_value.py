@@ -108,7 +108,7 @@ def test_regretted_refusals_open_admission_and_regretted_admissions_close_it():
     policy.removed(k(1))
     policy.missed([k(1)], 0)
     assert policy.bias == pytest.approx(39 * AdaptiveValueEviction.DELTA)
-    assert policy.tau_per_mean_reuse == pytest.approx(2 / 1.1)  # an eviction too: T moves (its age 1, not above the mean)
+    assert policy.tau_per_mean_reuse == pytest.approx(2 / 1.1)  # an eviction too: T moves (age 1, not above the mean)
 
 
 def test_a_learned_t_reorders_the_victims():
