@@ -1,5 +1,5 @@
-"""`value:auto`: the value policy with its recency scale T (tau per mean reuse distance) tuned
-online per pool, from the states it regrets evicting.
+"""`value:auto`: the value policy with its recency scale T (tau per mean reuse distance) and how
+readily it admits a snapshot learned online per pool, from the states it regrets losing.
 
 `value`'s one constant trades recency against gain: a small T keeps what was used lately (chat,
 where a turn's state is superseded by the next turn's), a large T keeps long, proven prefixes for
@@ -11,10 +11,17 @@ here each pool learns it, as ARC and LeCaR learn between recency and frequency:
 - when a later request's prompt passes a ghost deeper than the hit it got (`missed`), that
   eviction is regretted: a victim older than the pool's mean went for being old, so T grows
   (recency should have counted less); a younger one went for its small gain, so T shrinks;
-- T moves by a factor `STEP` per regret, within [`MIN_T`, `MAX_T`], starting at `value`'s 2.
+- T moves by a factor `STEP` per regret, within [`MIN_T`, `MAX_T`], starting at `value`'s 2;
+  tau is T x the mean reuse distance, or T x `PRIOR_MEAN_REUSE` until a reuse is seen (a pool of
+  one or two states may never restore one, and its T must still count);
+- a snapshot `admits` refused is a ghost too: a regretted refusal raises an admission bias (log
+  worth given to a new snapshot against the victim) by `DELTA`; a regretted eviction made to
+  admit a snapshot lowers it by `DELTA`, never below 0 (`value`'s test).
 
 Each regret costs O(1); the manager finds it with one dict probe per block of the prompt above
-the hit; tau's re-keying is `value`'s (O(n) when tau has doubled or halved since the last).
+the hit. When T has moved tau out of 2x of the tau the heap's keys were made with, the heap is
+re-keyed (O(n)), at most once per n / `REKEY_EVERY` requests: amortized O(1) per request, where
+a T moving at every request would otherwise re-key every few (`python -m bench.eviction`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class AdaptiveValueEviction(ValueEviction):
     DELTA = 0.25
     MIN_T, MAX_T = 0.25, 64.0
     START_T = ValueEviction.TAU_PER_MEAN_REUSE
+    REKEY_EVERY = 64
     PRIOR_MEAN_REUSE = 32.0  # requests, until a reuse is seen: value's prior tau of 64 at T = 2
 
     def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None) -> None:
@@ -56,6 +64,7 @@ class AdaptiveValueEviction(ValueEviction):
         self.num_regrets = 0
         self.bias = 0.0  # log worth a new snapshot is given against the victim in `admits`
         self._admitting: BlockHash | None = None
+        self._rekeyed_at = 0
 
     # the retained states' last uses, summed: their mean age in O(1)
     def stored(self, key, position, parent, periodic=False) -> None:
@@ -120,9 +129,18 @@ class AdaptiveValueEviction(ValueEviction):
                 self.tau_per_mean_reuse = min(self.MAX_T, max(self.MIN_T, self.tau_per_mean_reuse * step))
                 mean = self._reuse_sum / self._num_reuses if self._num_reuses else self.PRIOR_MEAN_REUSE
                 self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * mean)
-                if not 0.5 <= self.tau / self._keyed_tau <= 2.0:
+                if self._drifted() and self._may_rekey():
                     self._rebuild()
                 return
+
+    def _may_rekey(self) -> bool:
+        """At most one re-keying (O(n)) per n / `REKEY_EVERY` requests: amortized O(1) per request
+        however often T moves (a pool of fewer than `REKEY_EVERY` states: any time)."""
+        return self.now - self._rekeyed_at >= len(self._entries) // self.REKEY_EVERY
+
+    def _rebuild(self) -> None:
+        self._rekeyed_at = self.now
+        super()._rebuild()
 
     @property
     def log_t(self) -> float:

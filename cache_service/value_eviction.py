@@ -84,10 +84,18 @@ class ValueEviction(CheckpointEviction):
             entry.num_reuses += 1
             self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * self._reuse_sum / self._num_reuses)
         entry.last_use = self.now
-        if not 0.5 <= self.tau / self._keyed_tau <= 2.0:  # keys drifted: re-key all (rare)
+        if self._drifted() and self._may_rekey():  # keys drifted: re-key all (rare)
             self._rebuild()
         else:
             self._push(key, entry)
+
+    def _drifted(self) -> bool:
+        """tau has doubled or halved since the heap's keys were made."""
+        return not 0.5 <= self.tau / self._keyed_tau <= 2.0
+
+    def _may_rekey(self) -> bool:
+        """Whether a drifted heap may be re-keyed now (here: always; `value:auto` rations it)."""
+        return True
 
     def removed(self, key) -> None:
         self._entries.pop(key, None)

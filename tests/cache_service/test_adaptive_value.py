@@ -158,3 +158,29 @@ def test_a_mamba_pool_reports_evictions_refusals_and_prompts_to_the_policy():
 class _Backend:
     def copy_page(self, group_id, src, dst) -> None:
         pass
+
+
+def test_re_keying_is_at_most_once_per_n_over_64_requests():
+    """T may move at every request; re-keying the heap costs O(n), so a pool of n states re-keys
+    at most once per n / 64 requests (amortized O(1)), and catches up once that many have passed."""
+    policy = AdaptiveValueEviction()
+    for i in range(128):  # n // 64 = 2 requests between re-keyings
+        policy.stored(bytes([i, 0]) * 8, 64 * (i + 1), 0)
+    policy.tick()
+    policy.tick()
+
+    def regret_young() -> None:
+        policy.ghosts[k(9)] = Ghost(0, 10.0, "evicted")
+        policy.missed([k(9)], 0)
+
+    while policy._keyed_tau == 64.0:  # T falls from 2: re-keyed once tau halved
+        regret_young()
+    keyed = policy._keyed_tau
+    assert keyed == policy.tau < 32.5
+    while policy.tau > keyed / 2.5:  # falls further in the same request: no second re-keying yet
+        regret_young()
+    assert policy._keyed_tau == keyed
+    policy.tick()
+    policy.tick()
+    regret_young()
+    assert policy._keyed_tau == policy.tau < keyed / 2.5
