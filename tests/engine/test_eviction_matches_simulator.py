@@ -73,11 +73,11 @@ def test_value_t_too(tiny_model):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop")])
+@pytest.mark.parametrize("k, eagle", [(0, "lossless"), (3, "drop"), (3, "lossless")])
 def test_value_auto_learns_what_the_simulator_learns(tiny_model, k, eagle):
-    """`engine.eviction: value:auto`: the engine's pool regrets the same evictions and refusals as
-    the simulator's, so its T and admission bias move alike (compared after every request) and it
-    evicts the same states. Fails if either side does not report evictions, refusals or a
+    """`engine.eviction: value:auto`, in every EAGLE mode: the engine's pool regrets the same
+    evictions and refusals as the simulator's, so its T and admission bias move alike (compared
+    after every request) and it evicts the same states. Fails if either side does not report evictions, refusals or a
     request's prompt to the policy (`evicted`, `refused`, `missed`)."""
     _, _, num_regrets = run_both(tiny_model, k, eagle, "value:auto", "dense")
     assert num_regrets >= 2
