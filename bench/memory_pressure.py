@@ -173,13 +173,12 @@ def markdown(rows: list[dict], found: list[dict]) -> str:
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |" + rule]
     for (trace, replicas, share), hits in means(runs).items():
         v, m, lru = hits.get("latest/value"), hits.get("latest/marconi"), hits.get("latest/lru")
-        mp = hits.get("latest/marconi-published")
+        mp, learned = hits.get("latest/marconi-published"), hits.get(f"latest/{AUTO}")
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
         lines.append(f"| {trace} | {replicas} | {share:g} | "
                      + " | ".join(f"{hits[n]:.4f}" if n in hits else "-" for n in names)
                      + f" | {ratio(v, m)} | {ratio(v, mp)} | {ratio(v, lru)} |"
-                     + (f" {ratio(hits.get(f'latest/{AUTO}'), m)} | {ratio(hits.get(f'latest/{AUTO}'), mp)} |"
-                        if auto else "")
+                     + (f" {ratio(learned, m)} | {ratio(learned, mp)} |" if auto else "")
                      + (f" {spread(runs[(trace, replicas, share)]):.4f} |" if seeded else ""))
     failed = [c for c in found if not c["holds"]]
     lines.append("")

@@ -26,13 +26,12 @@ a T moving at every request would otherwise re-key every few (`python -m bench.e
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
-from cache_service.eviction_policy import RecomputeCost, StateEntry
+from cache_service.eviction_policy import RecomputeCost
 from cache_service.value_eviction import ValueEviction
 
 
@@ -62,7 +61,7 @@ class AdaptiveValueEviction(ValueEviction):
         self.ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
         self._last_use_sum = 0
         self.num_regrets = 0
-        self.bias = 0.0  # log worth a new snapshot is given against the victim in `admits`
+        self.bias = 0.0  # learned: raised by regretted refusals, lowered by regretted admissions
         self._admitting: BlockHash | None = None
         self._rekeyed_at = 0
 
@@ -95,10 +94,8 @@ class AdaptiveValueEviction(ValueEviction):
         self._admitting = None
 
     def admits(self, position, parent, victim, periodic=False) -> bool:
-        new = StateEntry(position, self.gain(position, parent), 0, self.now, periodic)
-        boundary, worth = self._priority(new)
-        ok = (boundary, worth + self.bias) > self._priority(self._entries[victim])
-        self._admitting = victim if ok else None
+        ok = super().admits(position, parent, victim, periodic)
+        self._admitting = victim if ok else None  # an eviction of it now is an admission's
         return ok
 
     def refused(self, key: BlockHash) -> None:
@@ -127,11 +124,15 @@ class AdaptiveValueEviction(ValueEviction):
                     self.bias = max(0.0, self.bias - self.DELTA)
                 step = self.STEP if ghost.age > ghost.mean_age else 1 / self.STEP
                 self.tau_per_mean_reuse = min(self.MAX_T, max(self.MIN_T, self.tau_per_mean_reuse * step))
-                mean = self._reuse_sum / self._num_reuses if self._num_reuses else self.PRIOR_MEAN_REUSE
-                self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * mean)
-                if self._drifted() and self._may_rekey():
-                    self._rebuild()
+                self._retau()
+                self._rekey_if_drifted()
                 return
+
+    def _retau(self) -> None:
+        if self._num_reuses:
+            super()._retau()
+        else:  # no reuse seen yet: T still counts, over the prior mean
+            self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * self.PRIOR_MEAN_REUSE)
 
     def _may_rekey(self) -> bool:
         """At most one re-keying (O(n)) per n / `REKEY_EVERY` requests: amortized O(1) per request
@@ -141,7 +142,3 @@ class AdaptiveValueEviction(ValueEviction):
     def _rebuild(self) -> None:
         self._rekeyed_at = self.now
         super()._rebuild()
-
-    @property
-    def log_t(self) -> float:
-        return math.log(self.tau_per_mean_reuse)

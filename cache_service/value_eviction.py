@@ -27,6 +27,7 @@ class ValueEviction(CheckpointEviction):
     # 3 and 8 lost some (docs/DEVLOG.md has the figures). The default of `value`; `value:T` sets
     # it (1 won shipped R = 16 at 10% over 8 seeds, 0.096 vs 0.087, but lost R = 1 at 10%).
     TAU_PER_MEAN_REUSE = 2.0
+    bias = 0.0  # log worth a new snapshot is given against the victim in `admits` (value:auto learns it)
 
     def __init__(self, page_bytes: int = 1, cost: RecomputeCost | None = None, tau: float = 64.0,
                  tau_per_mean_reuse: float = TAU_PER_MEAN_REUSE) -> None:
@@ -82,16 +83,23 @@ class ValueEviction(CheckpointEviction):
             self._reuse_sum += self.now - entry.last_use
             self._num_reuses += 1
             entry.num_reuses += 1
-            self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * self._reuse_sum / self._num_reuses)
+            self._retau()
         entry.last_use = self.now
-        if self._drifted() and self._may_rekey():  # keys drifted: re-key all (rare)
-            self._rebuild()
-        else:
+        if not self._rekey_if_drifted():
             self._push(key, entry)
 
-    def _drifted(self) -> bool:
-        """tau has doubled or halved since the heap's keys were made."""
-        return not 0.5 <= self.tau / self._keyed_tau <= 2.0
+    def _retau(self) -> None:
+        """tau = tau_per_mean_reuse x the mean reuse distance (the prior until a reuse is seen)."""
+        if self._num_reuses:
+            self.tau = max(self.MIN_TAU, self.tau_per_mean_reuse * self._reuse_sum / self._num_reuses)
+
+    def _rekey_if_drifted(self) -> bool:
+        """Re-key every state (rare) when tau has doubled or halved since the heap's keys were
+        made, and `_may_rekey` allows it now; whether it did."""
+        if 0.5 <= self.tau / self._keyed_tau <= 2.0 or not self._may_rekey():
+            return False
+        self._rebuild()
+        return True
 
     def _may_rekey(self) -> bool:
         """Whether a drifted heap may be re-keyed now (here: always; `value:auto` rations it)."""
@@ -127,8 +135,9 @@ class ValueEviction(CheckpointEviction):
         return entry is not None and entry.num_reuses > 0
 
     def admits(self, position, parent, victim, periodic=False) -> bool:
-        new = StateEntry(position, self.gain(position, parent), 0, self.now, periodic)
-        return self._priority(new) > self._priority(self._entries[victim])
+        """Whether a new snapshot's priority, its log worth raised by `bias`, exceeds the victim's."""
+        boundary, worth = self._priority(StateEntry(position, self.gain(position, parent), 0, self.now, periodic))
+        return (boundary, worth + self.bias) > self._priority(self._entries[victim])
 
     def known(self):
         return self._entries
