@@ -109,6 +109,13 @@ def test_regretted_refusals_open_admission_and_regretted_admissions_close_it():
     policy.missed([k(1)], 0)
     assert policy.bias == pytest.approx(39 * AdaptiveValueEviction.DELTA)
     assert policy.tau_per_mean_reuse == pytest.approx(2 / 1.1)  # an eviction too: T moves (age 1, not above the mean)
+    policy.bias = 0.1
+    policy.stored(k(2), 64, 0)
+    assert policy.admits(64, 0, k(2))
+    policy.evicted(k(2))
+    policy.removed(k(2))
+    policy.missed([k(2)], 0)
+    assert policy.bias == 0.0  # never below 0: value's own test
 
 
 def test_a_learned_t_reorders_the_victims():
@@ -153,6 +160,27 @@ def test_a_mamba_pool_reports_evictions_refusals_and_prompts_to_the_policy():
     assert not manager.snapshot(first, manager.working_page("c"), 64)  # worth less than 256 tokens
     assert policy.ghosts[first.prefix_hash(64)].cause == "refused"
     manager.free("c")
+
+
+def test_the_pool_tells_the_policy_how_many_prompt_blocks_its_hit_covers():
+    """`missed` gets the prompt's block hashes and the hit in blocks (128 tokens: 8 of 16), so a
+    ghost inside the hit is no regret."""
+    seen = []
+
+    class Recording(AdaptiveValueEviction):
+        def missed(self, prefix, hit_blocks):
+            seen.append((list(prefix), hit_blocks))
+            super().missed(prefix, hit_blocks)
+
+    manager = MambaManager(1, LAYOUT.groups[1], BlockPool(12, 1), HybridCoordinator(LAYOUT), _Backend(),
+                           max_retained_pages=2, eviction=Recording())
+    prompt = RequestBlockHashes(16, make_tokens(200, 0, 1000))
+    manager.restore("a", prompt, 0)
+    assert manager.snapshot(prompt, manager.working_page("a"), 128)
+    manager.free("a")
+    manager.restore("b", prompt, 128)
+    assert seen == [(prompt.hashes, 0), (prompt.hashes, 8)]
+    manager.free("b")
 
 
 class _Backend:
