@@ -55,3 +55,24 @@ def test_under_kv_pressure_blocks_above_every_retained_state_go_first(tiny_model
     assert warm.num_cached_tokens == (256 if eviction == "value" else 0)
     assert engine.num_computed_prompt_tokens - computed == 300 - warm.num_cached_tokens
     kv.check_integrity()
+
+
+def test_value_auto_hits_are_exact_after_it_has_learned(tiny_model):
+    """`engine.eviction: value:auto` at 3 retained states: resending the first of four prompts
+    passes its evicted states (regrets: T moves), then resending it again hits its new states.
+    Every output equals its cold run and the engine computes only the tokens past each hit.
+    Catches a learned policy that restores a state other than the one the hit names."""
+    page = tiny_model.state_bytes_per_slot()
+    memory = 96 * 2**20
+    engine = make_engine(tiny_model, num_spec_tokens=0, retention="dense", eviction="value:auto",
+                         cache_memory_bytes=memory, checkpoint_memory_fraction=3 * page / memory + 1e-9)
+    policy = engine.cache.mamba.eviction
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [make_prompt(300, 60 + i) for i in range(4)]
+    cold = [engine.generate([p], params)[0] for p in prompts]
+    for _ in range(2):
+        computed = engine.num_computed_prompt_tokens
+        (warm,) = engine.generate([prompts[0]], params)
+        assert warm.token_ids == cold[0].token_ids
+        assert engine.num_computed_prompt_tokens - computed == 300 - warm.num_cached_tokens
+    assert policy.num_regrets >= 1 and warm.num_cached_tokens == 256
