@@ -58,6 +58,9 @@ class LoadReportMsg:
     num_free_blocks: int = 0  # attention blocks free or evictable
     num_accepted: int = 0  # requests accepted since start (monotonic: which routed ones arrived)
     host_copy: HostCopyPrice | None = None  # None: no host tier, or not measured yet (router default)
+    # attention blocks free and holding no cached page: what the replica takes without evicting
+    # (None: not reported; the router then lets a transfer land there whatever it evicts)
+    num_empty_blocks: int | None = None
 
 
 @dataclass(frozen=True)

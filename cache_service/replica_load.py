@@ -105,6 +105,12 @@ class LoadBook:
         load = self._loads.get(replica_id)
         return load.report.num_free_blocks if load is not None and load.reported else None
 
+    def empty_blocks(self, replica_id: str) -> int | None:
+        """Attention blocks free and holding no cached page at the replica's last report (None:
+        none yet, or a replica that does not report them)."""
+        load = self._loads.get(replica_id)
+        return load.report.num_empty_blocks if load is not None and load.reported else None
+
     def host_copy(self, replica_id: str) -> HostCopyPrice | None:
         """The replica's last measured price of a host hit (None: never reported one)."""
         load = self._loads.get(replica_id)
@@ -118,8 +124,14 @@ class LoadBook:
 
     def snapshot(self) -> dict[str, dict]:
         return {r: {"queued_tokens": self.queued_tokens(r), "requests": self.num_requests(r),
-                    "free_blocks": load.report.num_free_blocks, **_price_view(load.report.host_copy)}
+                    "free_blocks": load.report.num_free_blocks, **_empty_view(load.report.num_empty_blocks),
+                    **_price_view(load.report.host_copy)}
                 for r, load in self._loads.items()}
+
+
+def _empty_view(num_empty_blocks: int | None) -> dict:
+    """A replica's reported empty blocks as /stats shows them (nothing when it reported none)."""
+    return {} if num_empty_blocks is None else {"empty_blocks": num_empty_blocks}
 
 
 def _price_view(price: HostCopyPrice | None) -> dict:

@@ -20,7 +20,9 @@ The credit `c` (0 <= c < 1) prices that future hit against load: a fraction of t
 the hit counts as saved, less than a real hit of the same length (c < 1): at equal load a replica
 with a real hit h beats one holding only KV for a match m < h / c.
 A transfer competes when the best holder is busy: a less-loaded replica receives the holder's
-KV pages and Mamba page for the hit, then serves a normal local hit.
+KV pages and Mamba page for the hit, then serves a normal local hit. Only onto a replica whose last
+report shows room for the pages it lacks in blocks that hold nothing (`room`): on a full replica
+the copy evicts cached prefixes to hold a second copy of one that exists (`transfer_may_evict`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class RouterConfig:
     # share of the attention match beyond the reconciled hit credited as saved (a junction forms
     # there); 0.5 measured on the Mooncake trace (README "Trace-driven simulation")
     junction_credit: float = 0.5
+    # a planned transfer may land on a replica that must evict cached pages to hold it (False:
+    # only where its last report shows empty blocks for what it lacks; replicas that report none
+    # are taken as roomy). Measured with `python -m bench.routing_pressure` (README)
+    transfer_may_evict: bool = False
     # a planned transfer is done only where the measured link beats recomputing (`link_costs.py`)
     links: LinkCostConfig = field(default_factory=LinkCostConfig)
 
@@ -119,14 +125,16 @@ class Router:
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
               queued_tokens: Mapping[str, int] | None = None, candidates: Collection[str] | None = None,
-              forced: str | None = None, host_prices: Mapping[str, HostCopyPrice] | None = None) -> RouteDecision:
+              forced: str | None = None, host_prices: Mapping[str, HostCopyPrice] | None = None,
+              room: Callable[[str], int | None] | None = None) -> RouteDecision:
         """`candidates` (default: the keys of `queued_tokens`, else every indexed replica) with
         their load in `queued_tokens` (missing: 0). Candidates the index cannot vouch for (stale,
         unknown) count as hitting nothing. Costs O(blocks + replicas): only replicas that hit
         something are costed one by one; the others differ only in load. `forced` (if a
         candidate) is chosen whatever it costs. The decision's estimates list the chosen replica
         and the `MAX_ESTIMATES` best holders. `host_prices`: each replica's measured price of a
-        host hit (absent: `host_cost_per_token`)."""
+        host hit (absent: `host_cost_per_token`). `room(r)`: the tokens of KV replica r can take
+        without evicting (None: not reported, taken as roomy; `room` None: every replica)."""
         load = queued_tokens if queued_tokens is not None else {}
         if candidates is None:
             candidates = load.keys() if queued_tokens is not None else self.index.replicas.keys()
@@ -135,7 +143,7 @@ class Router:
         if self.policy in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM):
             return self.decide(ReplicaHits({}, {}, False), num_prompt_tokens, load, candidates, forced)
         return self.decide(self.hits(hashes, num_prompt_tokens, candidates), num_prompt_tokens, load, candidates,
-                           forced, host_prices=host_prices)
+                           forced, host_prices=host_prices, room=room)
 
     def hits(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
              candidates: Collection[str] | None) -> ReplicaHits:
@@ -162,12 +170,14 @@ class Router:
     def decide(self, scored: ReplicaHits, num_prompt_tokens: int, load: Mapping[str, int],
                candidates: Collection[str], forced: str | None = None,
                by_load: Iterable[tuple[int, str]] | None = None,
-               host_prices: Mapping[str, HostCopyPrice] | None = None) -> RouteDecision:
+               host_prices: Mapping[str, HostCopyPrice] | None = None,
+               room: Callable[[str], int | None] | None = None) -> RouteDecision:
         """The decision given every candidate's hits (the gather half: `scored` may merge the
         `hits` of several indexes over disjoint replicas). `by_load`: (load, replica) in
         ascending order, every candidate among them (others are skipped): the least loaded
         replicas are then found without looking at every candidate. `host_prices`: each
-        replica's measured price of its host tokens (absent: `host_cost_per_token` each)."""
+        replica's measured price of its host tokens (absent: `host_cost_per_token` each). `room(r)`:
+        the tokens of KV replica r takes without evicting (None: not reported, roomy)."""
         if not candidates:
             raise NoReplicaError("no routable replica")
         policy = self.policy.value
@@ -212,7 +222,8 @@ class Router:
         decision = RouteDecision(chosen, policy, hits.get(chosen, 0), tuple(estimate.values()), load_only=not everyone)
         if self.policy is RoutingPolicy.HYBRID and hits and chosen != forced:
             lightest = min(idle) if idle else None
-            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits)
+            decision = self._maybe_transfer(decision, num_prompt_tokens, load, best_key[0], lightest, hits,
+                                            attention, room)
         return decision
 
     def _host_cost(self, num_tokens: int, price: HostCopyPrice | None) -> float:
@@ -234,8 +245,11 @@ class Router:
         return (num_prompt_tokens - saved) * c.prefill_cost_per_token + host + load * c.load_cost_per_queued_token
 
     def _maybe_transfer(self, decision: RouteDecision, num_prompt_tokens: int, load: Mapping[str, int],
-                        best_cost: float, lightest: str | None, hits: Mapping[str, int]) -> RouteDecision:
+                        best_cost: float, lightest: str | None, hits: Mapping[str, int],
+                        attention: Mapping[str, int], room: Callable[[str], int | None] | None) -> RouteDecision:
         """`lightest`: the least loaded replica that hits nothing (None: every candidate hits).
+        Unless `transfer_may_evict`, a destination must have `room` for the hit's pages it lacks
+        (those above its attention match).
         A holder whose hit sits on its host tier promotes the pages to send them; that copy is not
         added here: `transfer_cost_per_token` already prices a move above what the simulator's
         links cost, and adding it lost hit tokens there (README, "Host tier")."""
@@ -244,7 +258,11 @@ class Router:
         if holder.hit_tokens < c.min_transfer_tokens:
             return decision
         options = [r for r, h in hits.items() if r != holder.replica_id and h < holder.hit_tokens]
-        dst = min(options + ([lightest] if lightest else []), key=lambda r: (load.get(r, 0), r), default=None)
+        options += [lightest] if lightest else []
+        if room is not None and not c.transfer_may_evict:
+            options = [r for r in options
+                       if (free := room(r)) is None or free >= holder.hit_tokens - attention.get(r, 0)]
+        dst = min(options, key=lambda r: (load.get(r, 0), r), default=None)
         if dst is None:
             return decision
         cost = (self._cost(num_prompt_tokens, holder.hit_tokens, load.get(dst, 0))

@@ -73,13 +73,29 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
         booked = msg.num_output_tokens  # its prompt arrives computed
     else:
         prices = scored.priced(lambda r: owner(r).loads.host_copy(r))
-        decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices)
+        decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices,
+                                 _room(router, scored, owner))
         booked = n - decision.expected_hit_tokens + msg.num_output_tokens
     if not msg.dry_run:
         owner(decision.replica_id).book(RoutedLoadOp(decision.replica_id, booked, first.origin))
     first.counters["decisions"] += 1
     first.counters["load_only"] += decision.load_only
     return decision
+
+
+def _room(router, scored: ReplicaHits, owner):
+    """`room(r)`: the tokens of KV replica r takes without evicting, from its last report's empty
+    blocks (None: it reported none); None when `scored` plans no transfer or transfers may evict.
+    Read only for the few replicas a transfer considers."""
+    if router.config.transfer_may_evict or not scored.hit_tokens:
+        return None
+    block_tokens = _attention_block_tokens(router.coordinator.layout)
+
+    def room(replica_id: str) -> int | None:
+        blocks = owner(replica_id).loads.empty_blocks(replica_id)
+        return None if blocks is None else blocks * block_tokens
+
+    return room
 
 
 def _attention_block_tokens(layout) -> int:

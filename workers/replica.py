@@ -94,7 +94,7 @@ class Replica:
         free = engine.cache.num_free_kv_blocks
         held = self.num_held_handoffs  # exported, not yet sent: a drain waits for them too
         self.publisher.on_step(LoadReportMsg(queued, sched.num_unfinished + held, free, self._num_accepted,
-                                             engine.host_copy_price()))
+                                             engine.host_copy_price(), engine.cache.num_empty_kv_blocks))
 
     def _snapshot_for_resync(self) -> CacheSnapshot:
         def take(engine):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from cache_service.block_hash import RequestBlockHashes
@@ -155,11 +155,23 @@ class ClusterSim:
             self.caches = [replica("oracle", None)] * len(ids)
         else:
             self.caches = [replica(r, self.index) for r in ids]
+            self.policy.room = self._room_of(layout, ids)
         self.num_blocks_per_group = blocks
         self.num_host_pages_per_group = host
         self._pending: list[tuple[float, int, int, RequestBlockHashes, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
         self._hashers: dict[int, TraceHasher] = {}  # per trace block size
+
+    def _room_of(self, layout, ids: Sequence[str]):
+        """room(r): the tokens of KV replica r takes without evicting, as a live replica reports
+        it (`LoadReportMsg.num_empty_blocks`: its first attention group's free blocks that hold
+        nothing); always up to date here (a live report lags by at most a step)."""
+        group = layout.attention_group_ids[0] if layout.attention_group_ids else None
+        if group is None:
+            return None
+        pools = {r: cache.cache.pools[group] for r, cache in zip(ids, self.caches)}
+        block = layout.groups[group].block_size
+        return lambda r: pools[r].num_free_empty_blocks * block if r in pools else None
 
     def _host_price(self) -> HostCopyPrice | None:
         """What each replica would report for a host hit (`messages.HostCopyPrice`): the cost

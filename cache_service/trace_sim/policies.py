@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.block_hash import BlockHash
@@ -56,6 +56,9 @@ class SimPolicy(ABC):
         self.tokens_per_s = tokens_per_s
         self.seed = seed  # the router's tie-breaks (RouterPolicy), power_of_two's draws
         self.rng = random.Random(seed)
+        # room(r): the tokens of KV replica r takes without evicting, as its load report says
+        # (`LoadReportMsg.num_empty_blocks`); set by the simulation once its replicas exist
+        self.room: Callable[[str], int | None] | None = None
 
     def queued_tokens(self, queues: Sequence[PrefillQueue], now: float) -> dict[str, int]:
         """The load the cache service's router sees: each replica's reported queued tokens."""
@@ -83,7 +86,7 @@ class RouterPolicy(SimPolicy):
 
     def choose(self, hashes, num_prompt_tokens, queues, now) -> Choice:
         decision = self.router.route(hashes, num_prompt_tokens, self.queued_tokens(queues, now),
-                                     host_prices=self.host_prices)
+                                     host_prices=self.host_prices, room=self.room)
         plan = decision.transfer
         if plan is not None:
             return Choice(self.position[plan.dst_replica], self.position[plan.src_replica], plan.num_tokens)

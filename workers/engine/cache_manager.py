@@ -116,6 +116,11 @@ class EngineCacheManager:
     def num_free_kv_blocks(self) -> int:
         return self.full.pool.num_free_blocks
 
+    @property
+    def num_empty_kv_blocks(self) -> int:
+        """Free attention blocks that hold no cached page (taking one evicts nothing)."""
+        return self.full.pool.num_free_empty_blocks
+
     # ---- sizing ---------------------------------------------------------------------------
     def max_positions(self, req: Request) -> int:
         return req.num_prompt_tokens + req.params.max_tokens + self.num_spec_tokens
