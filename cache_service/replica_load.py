@@ -130,7 +130,7 @@ class LoadBook:
 
 
 def _empty_view(num_empty_blocks: int | None) -> dict:
-    """A replica's reported empty blocks as /stats shows them (nothing when it reported none)."""
+    """A replica's reported empty blocks as the service's `stats()` shows them (none reported: nothing)."""
     return {} if num_empty_blocks is None else {"empty_blocks": num_empty_blocks}
 
 
