@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="cut longer prompts (prefix kept)")
     p.add_argument("--junction-credit", type=float, default=RouterConfig().junction_credit,
                    help="hybrid router: share of the attention match beyond the hit credited as saved")
+    p.add_argument("--transfer-may-evict", action="store_true",
+                   help="hybrid router: let a planned transfer land on a replica that must evict cached pages "
+                        "for it (default: only where its pages fit into empty blocks, router.transfer_may_evict)")
     p.add_argument("--decode-model", default=None, choices=DECODE_MODELS,
                    help="independent (default without --pd-split): decode beside each prefill queue; stepped: "
                         "decode steps that prefill chunks stall (step_timeline.py), with inter-token latencies")
@@ -114,7 +117,7 @@ def run_one(args: argparse.Namespace, policy: str, eviction: str, requests: list
         layout=layout, cost=load_cost_model(args.cost_model), num_replicas=args.replicas,
         policy=policy, budget_bytes=budget, retention=args.retention, eviction=eviction, eagle=args.eagle,
         mamba_fraction=args.mamba_fraction, host_bytes=host, seed=args.seed,
-        router=RouterConfig(junction_credit=args.junction_credit),
+        router=RouterConfig(junction_credit=args.junction_credit, transfer_may_evict=args.transfer_may_evict),
         decode_model=args.decode_model or ("stepped" if args.pd_split else "independent"),
         pd_split=PdSplit.parse(args.pd_split) if args.pd_split else None, checkpoint_grid=args.checkpoint_grid)
     tuning = None

@@ -63,6 +63,7 @@ def summarize(sim: ClusterSim, records: Sequence[RequestRecord], wall_s: float) 
         "budget_bytes_per_replica": s.budget_bytes,
         "mamba_fraction": s.mamba_fraction,
         "junction_credit": s.router.junction_credit,
+        "transfer_may_evict": s.router.transfer_may_evict,
         "num_blocks_per_group": list(sim.num_blocks_per_group),
         "num_requests": len(records),
         "num_input_tokens": num_input,

@@ -5,6 +5,8 @@ brings fit into empty blocks, while with `transfer_may_evict` some land on full 
 
 from __future__ import annotations
 
+import json
+
 from cache_service.router import RouterConfig
 from cache_service.trace_sim.cli import DEFAULT_TRACE
 from cache_service.trace_sim.config import load_cost_model, load_layout
@@ -45,3 +47,20 @@ def test_transfers_land_only_where_their_pages_fit_into_empty_blocks():
     assert sum(room < moved - held for moved, room, held in evicting) >= 2  # landed on full replicas
     assert kept and all(room is not None and room >= moved - held for moved, room, held in kept)
     assert len(kept) < len(evicting)
+
+
+def test_the_cli_flag_lets_transfers_evict_and_the_summary_says_which(tmp_path):
+    """`simulate --transfer-may-evict` moves more pages than the default on the same run, and each
+    summary records the setting. Catches: the flag not reaching the router, or a summary that
+    cannot tell the two runs apart."""
+    from cache_service.trace_sim.cli import main
+
+    def summary(*flag: str) -> dict:
+        out = tmp_path / f"s{len(flag)}.json"
+        assert main(["--replicas", "16", "--memory-gib", "9.09", "--limit", "1500", "--no-progress",
+                     "--out", str(out), *flag]) == 0
+        return json.loads(out.read_text())
+
+    default, evicting = summary(), summary("--transfer-may-evict")
+    assert (default["transfer_may_evict"], evicting["transfer_may_evict"]) == (False, True)
+    assert evicting["num_transfer_tokens"] > default["num_transfer_tokens"] > 0
