@@ -74,7 +74,7 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     else:
         prices = scored.priced(lambda r: owner(r).loads.host_copy(r))
         decision = router.decide(scored, n, loads, candidates, msg.forced_replica, by_load, prices,
-                                 _room(router, scored, owner))
+                                 _room(router, owner))
         booked = n - decision.expected_hit_tokens + msg.num_output_tokens
     if not msg.dry_run:
         owner(decision.replica_id).book(RoutedLoadOp(decision.replica_id, booked, first.origin))
@@ -83,12 +83,10 @@ def route_over(shards: list, msg: RouteRequestMsg) -> RouteDecision:
     return decision
 
 
-def _room(router, scored: ReplicaHits, owner):
+def _room(router, owner):
     """`room(r)`: the tokens of KV replica r takes without evicting, from its last report's empty
-    blocks (None: it reported none); None when `scored` plans no transfer or transfers may evict.
-    Read only for the few replicas a transfer considers."""
-    if router.config.transfer_may_evict or not scored.hit_tokens:
-        return None
+    blocks (None: it reported none). Read only for the few replicas a transfer considers; the
+    router ignores it when transfers may evict."""
     block_tokens = _attention_block_tokens(router.coordinator.layout)
 
     def room(replica_id: str) -> int | None:
