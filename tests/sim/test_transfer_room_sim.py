@@ -23,11 +23,15 @@ def planned_transfers(may_evict: bool) -> list[tuple[int, int | None, int]]:
                                  router=RouterConfig(transfer_may_evict=may_evict)))
     router, seen = sim.policy.router, []
     decide = router.decide
+    group = layout.layout.attention_group_ids[0]
+    block = layout.layout.groups[group].block_size
 
     def spy(scored, n, load, candidates, forced=None, by_load=None, host_prices=None, room=None):
         decision = decide(scored, n, load, candidates, forced, by_load, host_prices, room)
         if decision.transfer is not None:
             dst = decision.transfer.dst_replica
+            pool = sim.caches[sim.replica_ids.index(dst)].cache.pools[group]
+            assert room(dst) == pool.num_free_empty_blocks * block  # that replica's own pool, in tokens
             seen.append((decision.transfer.num_tokens, room(dst), scored.attention_tokens.get(dst, 0)))
         return decision
 
@@ -40,8 +44,8 @@ def planned_transfers(may_evict: bool) -> list[tuple[int, int | None, int]]:
 def test_transfers_land_only_where_their_pages_fit_into_empty_blocks():
     """Catches: the simulation not handing the router its replicas' room (None: no filter, so the
     default run would equal the evicting one), room counted from free blocks (cached ones
-    included: it would never bind), or the filter reading the whole hit instead of what the
-    destination lacks (fewer transfers than now)."""
+    included: it would never bind) or from another replica's pool, or the filter reading the whole
+    hit instead of what the destination lacks (fewer transfers than now)."""
     evicting = planned_transfers(True)
     kept = planned_transfers(False)
     assert sum(room < moved - held for moved, room, held in evicting) >= 2  # landed on full replicas
