@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from cache_service.router import RouterConfig
 from cluster.pd_config import PDConfig
+from workers.cpu_affinity import CpuListError, parse_cpu_list
 from workers.engine.config import EngineConfig
 
 
@@ -139,10 +140,21 @@ class ClusterConfig:
     # min_replicas == max_replicas: a fixed count (no autoscaler), each dead replica replaced with this backoff
     restart: ReplicaRestartConfig = field(default_factory=ReplicaRestartConfig)
     pd: PDConfig = field(default_factory=PDConfig)  # prefill/decode roles (default: all replicas mixed)
+    # Linux CPU lists ("0", "0-3,8"): the serving process and what it starts (an embedded Ray's
+    # daemons, the controller, the cache service, front doors) run on control_cpus, and replicas
+    # without a role list (`pd.<role>_cpus`) on replica_cpus (None: with control_cpus, the CPUs the
+    # serving process had before it moved; else not pinned). Keeps housekeeping off decode cores.
+    control_cpus: str | int | None = None
+    replica_cpus: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("ray", "inprocess"):
             raise ConfigError(f"cluster.backend must be ray or inprocess, got {self.backend!r}")
+        for key in ("control_cpus", "replica_cpus"):
+            self._cpu_list(key)  # parses, or raises naming the key
+        if self.replica_cpus is not None and self.backend != "ray":
+            raise ConfigError("cluster.replica_cpus needs cluster.backend ray (in-process, the engine runs in "
+                              "the serving process: cluster.control_cpus places it)")
         self._check_pd()  # before the bounds' defaults: with pd they are the roles' sums
         for bound in ("min_replicas", "max_replicas"):
             if getattr(self, bound) is None:
@@ -165,6 +177,25 @@ class ClusterConfig:
             self.autoscaler  # noqa: B018 - its own checks, at load time
         except ValueError as exc:
             raise ConfigError(f"cluster: {exc}") from None
+
+    def _cpu_list(self, key: str) -> tuple[int, ...] | None:
+        text = getattr(self, key)
+        if text is None:
+            return None
+        try:
+            return parse_cpu_list(text)
+        except CpuListError as exc:
+            raise ConfigError(f"cluster.{key}: {exc}") from None
+
+    @property
+    def control_cpu_list(self) -> tuple[int, ...] | None:
+        """`control_cpus` parsed (None: not pinned)."""
+        return self._cpu_list("control_cpus")
+
+    def replica_cpu_list(self, role: str) -> tuple[int, ...] | None:
+        """The CPUs a replica of `role` pins to: its role's list (`pd.<role>_cpus`), else
+        `replica_cpus` (None: not pinned)."""
+        return self.pd.cpus(role) or self._cpu_list("replica_cpus")
 
     def _check_pd(self) -> None:
         """With pd: the ray backend, num_replicas the roles' start counts' sum, and

@@ -14,7 +14,8 @@ to 127.0.0.1 unless `cluster.ray_address` or $RAY_ADDRESS names one), the cache-
 autoscaler when `min_replicas < max_replicas` (else a fixed count: each dead replica is replaced,
 `cluster.restart`), and the OpenAI-compatible HTTP server on
 `http.host:http.port`. `cluster.backend: inprocess` serves one engine in this process (no Ray).
-Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly.
+Ctrl-C / SIGTERM stops the HTTP server, then every actor, cleanly. `cluster.control_cpus` pins
+this process first (`move_control`), so the embedded Ray and everything it starts run there too.
 
 At startup it logs the model's cacheability (`cache_service.cacheability`): the hit grid, the
 shortest prompt that can hit under the configured EAGLE mode and retention, and what each cache
@@ -23,6 +24,7 @@ group needs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.cache_profile import backend_cache_profile
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ClusterConfig, ConfigError, ServeConfig
 from cluster.config_loader import load_config
 
 log = logging.getLogger("hybridserve.serve")
@@ -88,6 +90,27 @@ class Server:
             ray.shutdown()
 
 
+def move_control(c: ClusterConfig) -> ClusterConfig:
+    """Pin this process to `cluster.control_cpus` (none: nothing), before it starts anything: an
+    embedded Ray's daemons and every actor they start inherit it. Replicas with no CPU list of
+    their own then pin back to the CPUs this process had (`replica_cpus`), so only the control
+    plane moves. Raises `ConfigError` naming CPUs this host does not have."""
+    cpus = c.control_cpu_list
+    if cpus is None:
+        return c
+    from workers.cpu_affinity import CpuListError, pin_this_process
+
+    before = sorted(os.sched_getaffinity(0))
+    try:
+        pinned = pin_this_process(cpus)
+    except CpuListError as exc:
+        raise ConfigError(f"cluster.control_cpus: {exc}") from None
+    log.info("serving process and its control plane pinned to CPUs %s", list(pinned))
+    if c.replica_cpus is None and c.backend == "ray":
+        c = dataclasses.replace(c, replica_cpus=",".join(map(str, before)))
+    return c
+
+
 def build_backend(config: ServeConfig, model_dir: str):
     """The serving backend and, for Ray, the autoscaler and whether Ray was started here."""
     c = config.cluster
@@ -97,6 +120,7 @@ def build_backend(config: ServeConfig, model_dir: str):
 
         dtype = str(resolve_dtype(Path(model_dir), "auto")).removeprefix("torch.")
     engine_config = config.engine.replace(dtype=dtype)  # model.dtype: weights, activations, KV
+    c = move_control(c)
     if c.backend == "inprocess":
         from workers.engine.engine import LLMEngine
         from workers.engine_runner import EngineRunner

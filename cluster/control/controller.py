@@ -218,12 +218,13 @@ class ClusterController:
         return ids
 
     def _pin(self, ids: list[str]) -> None:
-        """Pin each replica to its role's CPUs (`cluster.pd.<role>_cpus`; none set: nothing).
-        Raises if a replica refuses (the CPUs are not online there): never left unpinned."""
+        """Pin each replica to its role's CPUs (`cluster.pd.<role>_cpus`), else `cluster.replica_cpus`
+        (neither set: nothing). Raises if a replica refuses (the CPUs are not online there): never
+        left unpinned."""
         for rid in ids:
             with self._lock:
                 role = self.roles.role_of(rid)
-            cpus, rep = self.config.pd.cpus(role), self.replicas.get(rid)
+            cpus, rep = self.config.replica_cpu_list(role), self.replicas.get(rid)
             if cpus is not None and rep is not None:
                 pinned = ray.get(rep.actor.pin_cpus.remote(cpus), timeout=60.0)
                 log.info("%s (%s) pinned to CPUs %s", rid, role, list(pinned))

@@ -5,6 +5,7 @@
     hybridserve loadtest resend --compare                  # one server per policy / EAGLE / retention variant
     hybridserve loadtest trace --trace bench/traces/mooncake_synthetic_trace.jsonl.gz --scale 0.0625 --time-scale 4
     hybridserve loadtest interference --compare --axes pd --pd 2:2   # 4 mixed replicas vs 2 prefill + 2 decode
+    ... --pd-cpus 0:1 --control-cpus 0   # the split's roles on CPU 0 / 1; control plane and this client on 0
 
 Writes OUT/records.parquet (one row per request), OUT/loadtest.png, OUT/summary.json and prints a
 table (with --compare, also ratios against the baseline variant); the interference workload also
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -56,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--pd-cpus", type=_pd_cpus, default=None, metavar="PCPUS:DCPUS",
                         help="with --axes pd: pin the split's prefill replicas to PCPUS and its decode replicas "
                              "to DCPUS (Linux CPU lists, e.g. 0:1 or 0-3:4-7; cluster.pd.<role>_cpus)")
+    target.add_argument("--control-cpus", type=_cpu_list, default=None, metavar="CPUS",
+                        help="run each spawned server's control plane (cluster.control_cpus: the serving process, "
+                             "Ray's daemons, controller, cache service) and this load generator on CPUS; replicas "
+                             "keep the CPUs this process has now unless a role list places them")
     target.add_argument("--interval", type=int, default=128, help="retention interval (tokens) for --compare")
     size = p.add_argument_group("workload size")
     size.add_argument("--num-prompts", type=int, default=d.num_prompts, help="resend: distinct prompts")
@@ -117,6 +123,33 @@ def _pd_cpus(value: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
+def _cpu_list(value: str) -> str:
+    from workers.cpu_affinity import CpuListError, parse_cpu_list
+
+    try:
+        parse_cpu_list(value)
+    except CpuListError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def place_control(args: argparse.Namespace) -> None:
+    """`--control-cpus`: every spawned server's control plane there, its replicas where this
+    process runs now (`cluster.replica_cpus`), then this process (the load generator, which must
+    not take the replicas' cores either) moved there too. Raises `ValueError` naming CPUs the host
+    lacks."""
+    if args.control_cpus is None:
+        return
+    from workers.cpu_affinity import CpuListError, parse_cpu_list, pin_this_process
+
+    here = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    try:
+        pin_this_process(parse_cpu_list(args.control_cpus))
+    except CpuListError as exc:
+        raise ValueError(f"--control-cpus: {exc}") from None
+    args.overrides = [*args.overrides, f"cluster.control_cpus='{args.control_cpus}'", f"cluster.replica_cpus='{here}'"]
+
+
 def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
@@ -175,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and args.compare:
         print("hybridserve loadtest: error: --compare spawns its own servers; drop --url", file=sys.stderr)
         return 2
+    if args.url and args.control_cpus is not None:
+        print("hybridserve loadtest: error: --control-cpus places the servers it spawns; drop --url", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:
         configs = workload_configs(args)
+        place_control(args)
         results = _run(args, configs, out)
     except (ServerUnreachableError, ServerStartError, ValueError) as exc:
         print(f"hybridserve loadtest: error: {exc}", file=sys.stderr)

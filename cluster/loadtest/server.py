@@ -66,8 +66,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: f
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
-    """SIGTERM to the server, then SIGKILL to its whole process group (its own session, so that is
-    the server and whatever it started, e.g. Ray workers) if it is still running after `timeout_s`."""
+    """SIGTERM to the server, then SIGKILL to its whole process group (its own, so that is the
+    server and whatever it started, e.g. Ray workers) if it is still running after `timeout_s`."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -94,8 +94,11 @@ def spawn_server(config_path: str | Path, overrides: list[str] | tuple[str, ...]
         cmd += ["--set", override]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
+        # a process group of its own (killed whole below) but not a session: Linux's autogroup
+        # scheduler gives each session an equal share of the CPUs, and on a loaded host a client
+        # in another session than the server it measures stalled for up to 1.5 s at a time
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                process_group=0)
     try:
         _wait_healthy(url, proc, log_path, startup_timeout_s)
         yield ServerHandle(url, port, proc, log_path)

@@ -3,6 +3,7 @@
 
 import io
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -233,11 +234,59 @@ def test_client_counts_http_and_stream_errors_without_raising():
 
 # ---- real runs ------------------------------------------------------------------------------
 
+CONTROL_CPU = min(os.sched_getaffinity(0))  # the server's control plane here, its replicas anywhere
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("loadtest") / "server.log"
-    with spawn_server("configs/local.yaml", SERVER_OVERRIDES, log_path=log) as handle:
+    with spawn_server("configs/local.yaml", [*SERVER_OVERRIDES, f"cluster.control_cpus='{CONTROL_CPU}'"],
+                      log_path=log) as handle:
         yield handle
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every process below `pid`."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, p in parents.items():
+            if p == parent and child not in found:
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as f:
+                        found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                frontier.append(child)
+    return found
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(120)
+def test_the_control_plane_runs_on_control_cpus_and_replicas_where_the_server_started(server):
+    # catches: control_cpus never applied (or applied after Ray started: its daemons would run
+    # anywhere), replicas left on the control CPUs they inherit (mixed replicas squeezed onto one
+    # core), the controller or cache service outside the control CPUs
+    everywhere = set(os.sched_getaffinity(0))
+    if everywhere == {CONTROL_CPU}:
+        pytest.skip("one CPU: the control plane and the replicas cannot be told apart")
+    assert os.sched_getaffinity(server.process.pid) == {CONTROL_CPU}
+    procs = _descendants(server.process.pid)
+    def affinity(match: str) -> list[set[int]]:
+        return [os.sched_getaffinity(p) for p, cmd in procs.items() if match in cmd]
+    replicas = [os.sched_getaffinity(p) for p, cmd in procs.items() if "ray::" in cmd and "Replica" in cmd]
+    assert len(replicas) >= 1 and all(cpus == everywhere for cpus in replicas), replicas
+    for daemon in ("gcs_server", "raylet", "ray::ClusterController", "ray::CacheService"):
+        found = affinity(daemon)
+        assert found and all(cpus == {CONTROL_CPU} for cpus in found), (daemon, found)
 
 
 @pytest.mark.heavy

@@ -1,6 +1,8 @@
-"""Pinning P/D replicas to CPUs (`cluster.pd.prefill_cpus` / `decode_cpus`, `workers/cpu_affinity.py`):
-the CPU-list syntax, the config's errors, pinning every thread of a process (a spawned one here),
-the load test's flag; the Ray path is tests/cluster/test_pd_ray.py."""
+"""Pinning P/D replicas to CPUs (`cluster.pd.prefill_cpus` / `decode_cpus`, `workers/cpu_affinity.py`)
+and the control plane away from them (`cluster.control_cpus`, `replica_cpus`): the CPU-list syntax,
+the config's errors, pinning every thread of a process (a spawned one here), the serving process
+moving before it starts Ray, the load test's flags; the Ray paths are tests/cluster/test_pd_ray.py
+and (the control plane) tests/cluster/test_loadtest.py."""
 
 from __future__ import annotations
 
@@ -86,3 +88,83 @@ def test_the_load_test_pins_only_the_split():
     assert "cluster.pd.prefill_cpus='0'" in split.overrides and split.name.endswith("pd1:1@0:1")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["interference", "--pd-cpus", "0-x:1"])
+
+
+def test_control_and_replica_cpus_in_the_config(tmp_path):
+    # catches: a list accepted unparsed, a role list not taking precedence over replica_cpus (a
+    # decoder placed with the mixed replicas), replica_cpus accepted where no replica exists
+    pd = "cluster:\n  num_replicas: 2\n  replica_cpus: '0-1'\n  control_cpus: 0\n  pd:\n    num_prefill: 1\n" \
+         "    num_decode: 1\n    decode_cpus: '1'\n"
+    c = _load(tmp_path, pd).cluster
+    assert c.control_cpu_list == (0,)
+    assert [c.replica_cpu_list(r) for r in ("decode", "prefill", "mixed")] == [(1,), (0, 1), (0, 1)]
+    plain = _load(tmp_path, "cluster:\n  num_replicas: 2\n").cluster
+    assert plain.control_cpu_list is None and plain.replica_cpu_list("mixed") is None
+    with pytest.raises(ConfigError, match="cluster.control_cpus: not a CPU list: '0-x'"):
+        _load(tmp_path, "cluster:\n  control_cpus: '0-x'\n")
+    with pytest.raises(ConfigError, match="cluster.replica_cpus needs cluster.backend ray"):
+        _load(tmp_path, "cluster:\n  backend: inprocess\n  replica_cpus: '0'\n")
+
+
+def _move_in_child(control: str, replica: str | None, out) -> None:
+    from cluster.config import ClusterConfig, ConfigError
+    from cluster.serve import move_control
+
+    before = tuple(sorted(os.sched_getaffinity(0)))
+    try:
+        moved = move_control(ClusterConfig(name=None, control_cpus=control, replica_cpus=replica))
+        out.put(("ok", before, tuple(sorted(os.sched_getaffinity(0))), moved.replica_cpu_list("mixed")))
+    except ConfigError as exc:
+        out.put(("error", str(exc)))
+
+
+def _move(control: str, replica: str | None = None):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_move_in_child, args=(control, replica, out))
+    proc.start()
+    got = out.get(timeout=60)
+    proc.join(timeout=30)
+    return got
+
+
+def test_the_serving_process_moves_and_replicas_stay_where_it_was():
+    # catches: the process not pinned (Ray started after it would run anywhere), replicas left to
+    # inherit the control CPUs, a replica_cpus the operator gave overwritten, a CPU the host lacks
+    # accepted (or a traceback instead of the key's error); the Ray path: tests/cluster/test_loadtest.py
+    cpu = min(os.sched_getaffinity(0))
+    status, before, after, replicas = _move(str(cpu))
+    assert status == "ok" and after == (cpu,) and replicas == before
+    assert _move(str(cpu), str(cpu))[3] == (cpu,)
+    status, message = _move("4096")
+    assert status == "error" and message.startswith("cluster.control_cpus:") and "4096" in message
+
+
+def _place_in_child(argv: list[str], out) -> None:
+    from cluster.loadtest.__main__ import place_control
+
+    args = build_parser().parse_args(argv)
+    before = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    place_control(args)
+    out.put((before, args.overrides, sorted(os.sched_getaffinity(0))))
+
+
+def test_the_load_test_moves_itself_and_each_servers_control_plane(capsys):
+    # catches: the client left on the replicas' cores, the servers' replicas pinned to the control
+    # CPUs (the client's affinity, inherited), the flag reaching a server it does not spawn
+    cpu = min(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_place_in_child, args=(["interference", "--set", "a.b=1", "--control-cpus", str(cpu)],
+                                                      out))
+    proc.start()
+    before, overrides, after = out.get(timeout=60)
+    proc.join(timeout=30)
+    assert after == [cpu]
+    assert overrides == ["a.b=1", f"cluster.control_cpus='{cpu}'", f"cluster.replica_cpus='{before}'"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["interference", "--control-cpus", "0-x"])
+    from cluster.loadtest.__main__ import main
+
+    assert main(["resend", "--url", "http://127.0.0.1:9", "--control-cpus", str(cpu)]) == 2
+    assert "--control-cpus places the servers it spawns" in capsys.readouterr().err
