@@ -59,14 +59,19 @@ def _child(cpus, out) -> None:
     started.set()
 
 
-def _pin_in_child(cpus):
+def _in_child(target, *args):
+    """What `target(*args, out)` puts, run in a spawned process (pinning it leaves pytest's alone)."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(cpus, out))
+    proc = ctx.Process(target=target, args=(*args, out))
     proc.start()
     got = out.get(timeout=60)
     proc.join(timeout=30)
     return got
+
+
+def _pin_in_child(cpus):
+    return _in_child(_child, cpus)
 
 
 def test_every_thread_of_the_process_is_pinned():
@@ -119,13 +124,7 @@ def _move_in_child(control: str, replica: str | None, out) -> None:
 
 
 def _move(control: str, replica: str | None = None):
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_move_in_child, args=(control, replica, out))
-    proc.start()
-    got = out.get(timeout=60)
-    proc.join(timeout=30)
-    return got
+    return _in_child(_move_in_child, control, replica)
 
 
 def test_the_serving_process_moves_and_replicas_stay_where_it_was():
@@ -153,13 +152,8 @@ def test_the_load_test_moves_itself_and_each_servers_control_plane(capsys):
     # catches: the client left on the replicas' cores, the servers' replicas pinned to the control
     # CPUs (the client's affinity, inherited), the flag reaching a server it does not spawn
     cpu = min(os.sched_getaffinity(0))
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_place_in_child, args=(["interference", "--set", "a.b=1", "--control-cpus", str(cpu)],
-                                                      out))
-    proc.start()
-    before, overrides, after = out.get(timeout=60)
-    proc.join(timeout=30)
+    before, overrides, after = _in_child(_place_in_child,
+                                         ["interference", "--set", "a.b=1", "--control-cpus", str(cpu)])
     assert after == [cpu]
     assert overrides == ["a.b=1", f"cluster.control_cpus='{cpu}'", f"cluster.replica_cpus='{before}'"]
     with pytest.raises(SystemExit):
