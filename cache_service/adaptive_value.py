@@ -65,9 +65,6 @@ class AdaptiveValueEviction(ValueEviction):
         self._admitting: BlockHash | None = None
         self._rekeyed_at = 0
 
-    def set_capacity(self, num_states: int) -> None:
-        """Not bounded by the pool's size: `value:auto` learns T from its regrets instead."""
-
     # the retained states' last uses, summed: their mean age in O(1)
     def stored(self, key, position, parent, periodic=False) -> None:
         old = self._entries.get(key)

@@ -46,10 +46,6 @@ class CheckpointEviction(ABC):
         """A request was admitted: the clock recency is measured in."""
         self.now += 1
 
-    def set_capacity(self, num_states: int) -> None:  # noqa: B027 - a hook most policies ignore
-        """The pool this policy serves holds at most `num_states` retained states (set once, by
-        its `MambaManager`); nothing here (`value` bounds its prior recency scale by it)."""
-
     def gain(self, position: int, parent: int) -> float:
         """FLOPs per byte a state at `position` saves over the retained one at `parent` below it."""
         return (self.cost(position) - self.cost(parent)) / self.page_bytes

@@ -47,7 +47,6 @@ class MambaManager:
         self.page_size_bytes = max(1, page_size_bytes)
         self.slots: dict[str, MambaSlots] = {}
         self.eviction = eviction if eviction is not None else ValueEviction(self.page_size_bytes)
-        self.eviction.set_capacity(max_retained_pages if max_retained_pages is not None else pool.num_blocks - 1)
         self.support = support
         self.num_snapshots = 0
         self.num_snapshots_skipped = 0

@@ -44,16 +44,6 @@ class ValueEviction(CheckpointEviction):
         self._seq = 0
         self._reuse_sum, self._num_reuses = 0, 0
 
-    def set_capacity(self, num_states: int) -> None:
-        """The pool holds at most `num_states` retained states: until a reuse is seen, tau is at
-        most that many requests. A state no request reused while the pool could have turned over
-        once is not worth its gain; with the prior alone (64 requests), a pool of 3 states at agent
-        R = 16 10% refused every shorter snapshot for an early long prefix nobody reused (1,972
-        refusals, all before the pool's first reuse: 0.0149 of tokens hit vs 0.0296 now, seeds 0-2)."""
-        if not self._num_reuses:
-            self.tau = self._keyed_tau = min(self.tau, max(self.MIN_TAU, float(num_states)))
-            self._rebuild()
-
     def worth(self, key: BlockHash) -> float:
         """v of the module doc for a retained state, now (explanations, tests)."""
         e = self._entries[key]

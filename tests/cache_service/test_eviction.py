@@ -143,36 +143,6 @@ def test_value_admits_only_what_is_worth_more_than_the_victim():
     assert v.admits(256, 0, key(0))
 
 
-def test_value_prior_tau_is_at_most_the_pools_capacity_until_a_reuse():
-    # catches: a small pool keeping the longest prefix it has seen against every shorter snapshot
-    # while nothing is reused (agent R = 16 10%: 3 states a replica, 1,972 refusals), the bound
-    # overriding a tau measured from reuses, value:auto bounded (it learns T from regrets instead)
-    large, small = ValueEviction(), ValueEviction()
-    small.set_capacity(2)
-    assert (large.tau, small.tau) == (64.0, 2.0)
-    for v in (large, small):
-        v.stored(key(0), 1024, 0)
-        for _ in range(4):
-            v.tick()
-    # 1024 tokens' gain x e^(-4/64) outweighs 512's; x e^(-4/2) it does not
-    assert not large.admits(512, 0, key(0)) and small.admits(512, 0, key(0))
-    large.set_capacity(1000)  # a pool larger than the prior: the prior stands
-    assert large.tau == 64.0
-    seen = ValueEviction()
-    seen.stored(key(1), 64, 0)
-    seen.now = 30
-    seen.used(key(1), True, 64)
-    seen.set_capacity(2)
-    assert seen.tau == 60.0
-    empty = ValueEviction()
-    empty.set_capacity(0)
-    assert empty.tau == ValueEviction.MIN_TAU
-    auto = make_eviction("value:auto")
-    before = auto.tau
-    auto.set_capacity(2)
-    assert auto.tau == before
-
-
 def test_value_rekeys_its_heap_when_the_reuse_distance_moves_tau():
     v = ValueEviction()  # tau 64 until a reuse is seen
     v.stored(key(0), 100, 0)

@@ -57,20 +57,6 @@ def test_under_kv_pressure_blocks_above_every_retained_state_go_first(tiny_model
     kv.check_integrity()
 
 
-def test_the_engines_value_pool_bounds_its_prior_recency_by_its_budget(tiny_model):
-    # catches: the engine's pools never told their size (its value would refuse what the
-    # simulator's, bounded, admits: the two would stop evicting alike on small budgets)
-    page = tiny_model.state_bytes_per_slot()
-    memory = 96 * 2**20
-    engine = make_engine(tiny_model, num_spec_tokens=0, retention="dense", eviction="value",
-                         cache_memory_bytes=memory, checkpoint_memory_fraction=3 * page / memory + 1e-9)
-    assert engine.cache.mamba.max_retained_pages == 3 and engine.cache.mamba.eviction.tau == 3.0
-    roomy = make_engine(tiny_model, num_spec_tokens=0, eviction="value", cache_memory_bytes=memory)
-    mamba = roomy.cache.mamba
-    capacity = mamba.max_retained_pages if mamba.max_retained_pages is not None else mamba.pool.num_blocks - 1
-    assert mamba.eviction.tau == min(64.0, capacity)
-
-
 def test_value_auto_hits_are_exact_after_it_has_learned(tiny_model):
     """`engine.eviction: value:auto` at 3 retained states: resending the first of four prompts
     passes its evicted states (regrets: T moves), then resending it again hits its new states.
