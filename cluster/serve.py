@@ -98,16 +98,16 @@ def move_control(c: ClusterConfig) -> ClusterConfig:
     cpus = c.control_cpu_list
     if cpus is None:
         return c
-    from workers.cpu_affinity import CpuListError, pin_this_process
+    from workers.cpu_affinity import CpuListError, allowed_cpus, pin_this_process
 
-    before = sorted(os.sched_getaffinity(0))
+    before = allowed_cpus()
     try:
         pinned = pin_this_process(cpus)
     except CpuListError as exc:
         raise ConfigError(f"cluster.control_cpus: {exc}") from None
     log.info("serving process and its control plane pinned to CPUs %s", list(pinned))
     if c.replica_cpus is None and c.backend == "ray":
-        c = dataclasses.replace(c, replica_cpus=",".join(map(str, before)))
+        c = dataclasses.replace(c, replica_cpus=before)
     return c
 
 

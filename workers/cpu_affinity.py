@@ -54,6 +54,11 @@ def pin_this_process(cpus: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
+def allowed_cpus() -> str:
+    """The CPUs this process may run on now, as a CPU list a config key takes ("0,1,3")."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 def _online() -> list[int]:
     try:
         with open("/sys/devices/system/cpu/online") as f:

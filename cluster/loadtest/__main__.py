@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import uuid
 from pathlib import Path
@@ -140,9 +139,9 @@ def place_control(args: argparse.Namespace) -> None:
     lacks."""
     if args.control_cpus is None:
         return
-    from workers.cpu_affinity import CpuListError, parse_cpu_list, pin_this_process
+    from workers.cpu_affinity import CpuListError, allowed_cpus, parse_cpu_list, pin_this_process
 
-    here = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    here = allowed_cpus()
     try:
         pin_this_process(parse_cpu_list(args.control_cpus))
     except CpuListError as exc:
